@@ -1,0 +1,304 @@
+"""Calibration: from a task's calibration prompts to a tree set of Pareto-optimal trees.
+
+    entmtp calibrate --drafter medusa --task code
+
+1. Decode the calibration prompts greedily; at every position record the drafter's entropy for the
+   next position, the target's entropy, and the rank vector of the true continuation (see
+   `tree.construct`).
+2. Pick the entropy signal that best predicts acceptance (most negative correlation) and split its
+   range into quantile bins.
+3. Per bin and node budget, build the tree that maximises the empirical expected accepted length.
+4. Measure the step time of trees on this machine (batch 1, 8, 32), fit a cost model, keep the trees
+   that lie on some bin's Pareto frontier (cost vs. expected tokens per step) or are some bin's best
+   value, then measure the kept trees directly and write the tree set (+ a Pareto plot).
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .engine.engine import Engine, static_chooser
+from .engine.sampling import entropy_nats
+from .model.load import Bundle
+from .policy.signals import ema, window_mean
+from .tree import Tree
+from .tree.construct import accepted_on, expected_accepted, greedy_tree, pareto_front
+from .tree.treeset import TreeEntry, TreeSet
+
+BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+COST_BATCHES = (1, 8, 32)
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    drafter: str
+    task: str
+    num_prompts: int = 24
+    max_new_tokens: int = 96
+    max_depth: int = 5
+    max_rank: int = 6
+    num_bins: int = 4
+    batch_size: int = 8
+    max_trees: int = 8
+    window: int = 8
+
+    def __post_init__(self):
+        if self.num_prompts < 1 or self.max_new_tokens < 2:
+            raise ValueError("need at least one prompt and two new tokens")
+        if not 1 <= self.max_depth <= 16 or not 1 <= self.max_rank <= 32:
+            raise ValueError("max_depth must be in 1..16 and max_rank in 1..32")
+        if self.num_bins < 1:
+            raise ValueError("num_bins must be >= 1")
+
+
+@dataclass(frozen=True)
+class PositionRecord:
+    prompt: int
+    pos: int  # index in the generated output of the root token
+    draft_entropy: float
+    target_entropy: float  # target entropy after the root (known once this position is verified)
+    ranks: tuple[int, ...]
+
+    @property
+    def chain_accepted(self) -> int:
+        n = 0
+        for r in self.ranks:
+            if r != 0:
+                break
+            n += 1
+        return n
+
+
+def _ranks(logits: torch.Tensor, true: torch.Tensor, max_rank: int) -> torch.Tensor:
+    """Rank of true[b] in logits[b] (number of strictly larger logits), capped at max_rank."""
+    valid = true >= 0
+    own = logits.gather(1, true.clamp(min=0).view(-1, 1))
+    rank = (logits > own).sum(1)
+    return torch.where(valid, rank.clamp(max=max_rank), torch.full_like(rank, max_rank))
+
+
+def record_positions(bundle: Bundle, prompts: list[list[int]], cfg: CalibrationConfig, progress=None
+                     ) -> list[PositionRecord]:
+    engine = Engine(bundle.target, bundle.drafter_kind, bundle.drafter, bundle.eos_token_id)
+    out: list[PositionRecord] = []
+    plain = Tree.chain(0)
+    for start in range(0, len(prompts), cfg.batch_size):
+        batch = prompts[start:start + cfg.batch_size]
+        outputs = [r.output_ids for r in engine.generate(batch, cfg.max_new_tokens, static_chooser(plain))]
+        rows: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
+        plens = [len(p) for p in batch]
+
+        def observer(state, lens, drafting, active):
+            k = min(cfg.max_depth, drafting.max_depth)
+            true = torch.full((len(batch), k), -1, dtype=torch.int64)
+            for i in range(len(batch)):
+                g = int(lens[i]) - plens[i]
+                cont = outputs[i][g + 1:g + 1 + k]
+                true[i, :len(cont)] = torch.tensor(cont, dtype=torch.int64)
+            logits = drafting.path_logits(state, true)
+            ranks = torch.stack([_ranks(logits[d], true[:, d], cfg.max_rank) for d in range(k)], 1)
+            ent = entropy_nats(state.root_logits)
+            for i in range(len(batch)):
+                if active[i]:
+                    rows[(i, int(lens[i]) - plens[i])] = (float(ent[i]), tuple(ranks[i].tolist()))
+
+        results = engine.generate(batch, cfg.max_new_tokens, static_chooser(plain), observer=observer)
+        for i, r in enumerate(results):
+            assert r.output_ids == outputs[i], "greedy decoding is not deterministic"
+            for s, step in enumerate(r.steps):
+                d_ent, ranks = rows[(i, s)]
+                out.append(PositionRecord(start + i, s, d_ent, step.target_entropy[0], ranks))
+        if progress is not None:
+            progress.update(len(batch))
+    return out
+
+
+def signals_of(records: list[PositionRecord], window: int) -> dict[str, list[float]]:
+    """Each signal at each record, computed only from what the engine would know at that step."""
+    by_prompt: dict[int, list[PositionRecord]] = {}
+    for r in records:
+        by_prompt.setdefault(r.prompt, []).append(r)
+    out = {"draft_entropy": [], "target_window": [], "target_ema": []}
+    for r in records:
+        prev = [x.target_entropy for x in by_prompt[r.prompt][max(0, r.pos - 4 * window):r.pos]]
+        out["draft_entropy"].append(r.draft_entropy)
+        out["target_window"].append(window_mean(prev[-window:], r.draft_entropy))
+        out["target_ema"].append(ema(prev, 0.3, r.draft_entropy))
+    return out
+
+
+def pearson(x: list[float], y: list[float]) -> float:
+    if len(x) < 3:
+        return 0.0
+    mx, my = statistics.fmean(x), statistics.fmean(y)
+    sx = math.sqrt(sum((a - mx) ** 2 for a in x))
+    sy = math.sqrt(sum((b - my) ** 2 for b in y))
+    if sx == 0 or sy == 0:
+        return 0.0
+    return sum((a - mx) * (b - my) for a, b in zip(x, y)) / (sx * sy)
+
+
+def quantile_edges(values: list[float], bins: int) -> tuple[float, ...]:
+    s = sorted(values)
+    edges = []
+    for q in range(1, bins):
+        e = s[min(len(s) - 1, int(len(s) * q / bins))]
+        if not edges or e > edges[-1]:
+            edges.append(e)
+    return tuple(edges)
+
+
+def measure_cost(bundle: Bundle, tree: Tree, prompts: list[list[int]], batch_size: int,
+                 steps: int = 12) -> float:
+    """Median wall time of one engine step (draft + verify + commit) with this tree."""
+    engine = Engine(bundle.target, bundle.drafter_kind, bundle.drafter, None)
+    batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+    # force `steps` steps: each step emits at most depth + 1 tokens, so ask for enough tokens
+    res = engine.generate(batch, steps * (tree.max_depth + 1) + 1, static_chooser(tree))
+    times = [s.seconds for s in res[0].steps[2:steps + 2]] or [s.seconds for s in res[0].steps]
+    return statistics.median(times)
+
+
+def fit_cost_model(samples: list[tuple[Tree, float]]):
+    """Least squares: seconds ~ a + b * num_nodes + c * max_depth."""
+    x = torch.tensor([[1.0, t.num_nodes, t.max_depth] for t, _ in samples], dtype=torch.float64)
+    y = torch.tensor([c for _, c in samples], dtype=torch.float64)
+    coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1)
+    floor = min(c for _, c in samples)
+
+    def predict(tree: Tree) -> float:
+        return max(floor * 0.5, float(coef[0] + coef[1] * tree.num_nodes + coef[2] * tree.max_depth))
+
+    return predict
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def hardware() -> str:
+    return f"{platform.machine()} {platform.processor() or 'cpu'}, torch threads {torch.get_num_threads()}"
+
+
+def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[list[int]],
+                   cfg: CalibrationConfig, log=print) -> tuple[TreeSet, dict]:
+    depth = min(cfg.max_depth, max(len(r.ranks) for r in records))
+    sig = signals_of(records, cfg.window)
+    acc = [float(r.chain_accepted) for r in records]
+    corr = {k: round(pearson(v, acc), 3) for k, v in sig.items()}
+    signal = min(corr, key=lambda k: corr[k])
+    log(f"correlation of each entropy signal with chain acceptance: {corr}; using {signal}")
+    edges = quantile_edges(sig[signal], cfg.num_bins)
+    bins = [[] for _ in range(len(edges) + 1)]
+    import bisect
+
+    for r, v in zip(records, sig[signal]):
+        bins[bisect.bisect_right(edges, v)].append(r.ranks)
+
+    cands: dict[tuple[int, ...], Tree] = {(-1,): Tree.chain(0)}
+    for b, recs in enumerate(bins):
+        for n in BUDGETS:
+            t = greedy_tree(recs, n, depth, cfg.max_rank)
+            cands.setdefault(t.parents, Tree(t.parents, name=f"b{b}n{t.num_nodes}d{t.max_depth}"))
+    for d in range(1, depth + 1):
+        cands.setdefault(Tree.chain(d).parents, Tree.chain(d))
+    trees = list(cands.values())
+    log(f"{len(trees)} candidate trees; measuring reference costs")
+
+    refs = sorted(trees, key=lambda t: t.num_nodes)
+    refs = [refs[i] for i in sorted({round(i * (len(refs) - 1) / 5) for i in range(6)})]
+    models = {}
+    for bsz in COST_BATCHES:
+        samples = [(t, measure_cost(bundle, t, prompts, bsz)) for t in refs]
+        models[bsz] = fit_cost_model(samples)
+    value = {id(t): [[(expected_accepted(t, recs) + 1) / models[bsz](t) for bsz in COST_BATCHES]
+                     for recs in bins] for t in trees}
+    keep: set[int] = set()
+    for b, recs in enumerate(bins):
+        points = [(models[1](t), expected_accepted(t, recs) + 1) for t in trees]
+        front = pareto_front(points)
+        for j in range(len(COST_BATCHES)):  # the best value in this bin at each batch size
+            keep.add(max(range(len(trees)), key=lambda i: value[id(trees[i])][b][j]))
+        # and the frontier members with the best value at batch 1
+        front.sort(key=lambda i: -value[id(trees[i])][b][0])
+        keep.update(front[:2])
+    chosen = sorted(keep, key=lambda i: trees[i].num_nodes)
+    if len(chosen) > cfg.max_trees:
+        chosen = sorted(chosen, key=lambda i: -max(max(v) for v in value[id(trees[i])]))[:cfg.max_trees]
+    entries = []
+    for i in sorted(chosen, key=lambda i: trees[i].num_nodes):
+        t = trees[i]
+        costs = {bsz: measure_cost(bundle, t, prompts, bsz) for bsz in COST_BATCHES}
+        entries.append(TreeEntry(t, tuple(expected_accepted(t, recs) for recs in bins), costs))
+    all_points = {
+        "trees": [{"name": t.name, "nodes": t.num_nodes, "cost1": models[1](t),
+                   "expected": [expected_accepted(t, recs) + 1 for recs in bins]} for t in trees],
+        "kept": [trees[i].name for i in chosen],
+    }
+    ts = TreeSet(
+        model=bundle.path.name, drafter=bundle.drafter_kind, task=cfg.task, signal=signal,
+        bin_edges=edges, trees=tuple(entries), hardware=hardware(),
+        provenance={"prompts": len(prompts), "positions": len(records), "split": "calib",
+                    "max_new_tokens": cfg.max_new_tokens, "max_rank": cfg.max_rank,
+                    "signal_correlations": corr, "bin_sizes": [len(b) for b in bins],
+                    "commit": git_commit(), "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+    return ts, all_points
+
+
+def plot_pareto(points: dict, ts: TreeSet, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for b in range(ts.num_bins):
+        xs = [p["cost1"] * 1000 for p in points["trees"]]
+        ys = [p["expected"][b] for p in points["trees"]]
+        ax.scatter(xs, ys, s=10, alpha=0.35)
+        kept = [(p["cost1"] * 1000, p["expected"][b]) for p in points["trees"] if p["name"] in points["kept"]]
+        lo = "-inf" if b == 0 else f"{ts.bin_edges[b - 1]:.2f}"
+        hi = "inf" if b == ts.num_bins - 1 else f"{ts.bin_edges[b]:.2f}"
+        ax.plot(*zip(*sorted(kept)), marker="o", label=f"{ts.signal} in [{lo}, {hi})")
+    ax.set_xlabel("step cost at batch 1 (ms, fitted)")
+    ax.set_ylabel("expected tokens per step")
+    ax.set_title(f"{ts.model} {ts.drafter} {ts.task}: candidate trees and kept set")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def simulate(records: list[PositionRecord], choose) -> tuple[int, int, float]:
+    """Replay greedy decoding of recorded positions with a policy `choose(record, history) -> TreeEntry`.
+
+    Returns (tokens, steps, seconds) using each tree's measured batch-1 cost."""
+    by_prompt: dict[int, list[PositionRecord]] = {}
+    for r in records:
+        by_prompt.setdefault(r.prompt, []).append(r)
+    tokens = steps = 0
+    seconds = 0.0
+    for rows in by_prompt.values():
+        pos, history = 0, []
+        while pos < len(rows):
+            entry = choose(rows[pos], history)
+            a = accepted_on(entry.tree, rows[pos].ranks)
+            a = min(a, len(rows) - pos - 1) if pos + a >= len(rows) else a
+            history.append((rows[pos], a))
+            tokens += a + 1
+            steps += 1
+            seconds += entry.cost(1)
+            pos += a + 1
+    return tokens, steps, seconds

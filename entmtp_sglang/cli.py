@@ -1,0 +1,162 @@
+"""`entmtp` command line: generate text with tree speculation on the bundled (or any Llama) model."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+GENERATE_EPILOG = """\
+trees:
+  chain:N          a chain of N drafted tokens after the root (chain:0 = plain decoding)
+  -1,0,0,1         a parent array: node 0 is the root, each later node names its parent
+  FILE.json        a tree-set file (trees/*.json); --tree-id picks one tree, default: EntMTP policy
+examples:
+  entmtp generate --prompt 'def fibonacci(n):' --drafter medusa --tree chain:4
+  entmtp generate --prompt 'User: Tell me a story.\\nAssistant: ' --drafter eagle --tree -1,0,0,1,1,2
+"""
+
+
+def _add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate", help="generate text with tree speculative decoding",
+        description="Generate text with tree speculative decoding and print a stats line.",
+        epilog=GENERATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", action="append", required=True,
+                   help="input text; repeat the flag for a batch of prompts")
+    p.add_argument("--model", type=Path, default=None,
+                   help="model directory in Hugging Face layout (default: the bundled entmtp-tiny)")
+    p.add_argument("--drafter", choices=("medusa", "hydra", "eagle"), default="medusa",
+                   help="which multi-token-prediction drafter proposes tokens (default: medusa)")
+    p.add_argument("--tree", default="chain:4",
+                   help="draft tree: chain:N, a comma-separated parent array, or a tree-set JSON file "
+                        "(default: chain:4)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 = greedy (default); > 0 samples with exact rejection-sampling verification")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0 = off)")
+    p.add_argument("--top-k", type=int, default=0, help="sample among the k best tokens (default: 0 = off)")
+    p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: 0)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--no-speculation", action="store_true",
+                   help="plain one-token-per-pass decoding, for comparison")
+
+
+def _generate(args) -> int:
+    import torch
+
+    from .engine.engine import Engine, RequestError, static_chooser
+    from .engine.sampling import SamplingParams
+    from .model.load import load_bundle
+    from .tree import Tree, TreeError
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
+        tree = Tree.chain(0) if args.no_speculation else _read_tree(args.tree)
+    except (ValueError, TreeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    bundle = load_bundle(args.model, args.drafter)
+    prompts = [bundle.tokenizer.encode(p).ids for p in args.prompt]
+    engine = Engine(bundle.target, bundle.drafter_kind, bundle.drafter, bundle.eos_token_id)
+    try:
+        t0 = time.perf_counter()
+        results = engine.generate(prompts, args.max_new_tokens, static_chooser(tree), sampling, args.seed)
+        seconds = time.perf_counter() - t0
+    except (RequestError, TreeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for text, r in zip(args.prompt, results):
+        print(text + bundle.tokenizer.decode(r.output_ids))
+        print("-" * 40)
+    tokens = sum(len(r.output_ids) for r in results)
+    passes = sum(1 + len(r.steps) for r in results) / len(results)
+    steps = [s for r in results for s in r.steps]
+    mean_acc = sum(s.accepted for s in steps) / max(1, len(steps))
+    print(f"[stats] drafter={args.drafter} tree={tree.name} batch={len(results)} tokens={tokens} "
+          f"time={seconds:.2f}s tokens/s={tokens / seconds:.1f} mean_accepted={mean_acc:.2f} "
+          f"tokens_per_target_pass={tokens / len(results) / passes:.2f}")
+    return 0
+
+
+def _add_calibrate(sub) -> None:
+    p = sub.add_parser(
+        "calibrate", help="build a task's tree set from calibration prompts",
+        description="Decode a task's calibration prompts, record drafter acceptance by entropy bin, "
+                    "measure verification cost on this machine, and write a tree set of Pareto-optimal "
+                    "trees (JSON) with a Pareto-frontier plot (PNG).")
+    p.add_argument("--model", type=Path, default=None, help="model directory (default: bundled entmtp-tiny)")
+    p.add_argument("--drafter", choices=("medusa", "hydra", "eagle"), required=True)
+    p.add_argument("--task", required=True, help="code, math, chat, prose, json or mixed")
+    p.add_argument("--prompts", type=int, default=24, help="calibration prompts to decode (default: 24)")
+    p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default: 96)")
+    p.add_argument("--bins", type=int, default=4, help="entropy bins (default: 4)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="output JSON (default: trees/<model>-<drafter>-<task>.json in the repository)")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+
+
+def _calibrate(args) -> int:
+    import json
+
+    import torch
+    from tqdm import tqdm
+
+    from .calibrate import CalibrationConfig, build_tree_set, plot_pareto, record_positions
+    from .model.load import load_bundle
+    from .tasks import TASKS, interleave, load_prompts
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = CalibrationConfig(args.drafter, args.task, args.prompts, args.max_new_tokens, num_bins=args.bins)
+    if args.task == "mixed":
+        items = interleave(("prose", "json", "code"), "calib", max(1, args.prompts // 3 + 1))[: args.prompts]
+    elif args.task in TASKS:
+        items = load_prompts(args.task, "calib", args.prompts)
+    else:
+        print(f"error: unknown task {args.task!r}", file=sys.stderr)
+        return 2
+    bundle = load_bundle(args.model, args.drafter)
+    room = bundle.target.shape.max_position_embeddings - args.max_new_tokens - 40
+    prompts = [bundle.tokenizer.encode(it["prompt"]).ids[-room:] for it in items]
+    with tqdm(total=len(prompts), desc=f"calibrate {args.drafter}/{args.task}", unit="prompt") as bar:
+        records = record_positions(bundle, prompts, cfg, bar)
+    ts, points = build_tree_set(bundle, records, prompts, cfg, log=tqdm.write)
+    out = args.out or Path("trees") / f"{ts.model}-{args.drafter}-{args.task}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ts.save(out)
+    plot_pareto(points, ts, out.with_suffix(".png"))
+    (out.with_suffix(".records.json")).write_text(json.dumps(
+        [[r.prompt, r.pos, round(r.draft_entropy, 4), round(r.target_entropy, 4), list(r.ranks)]
+         for r in records]))
+    print(f"wrote {out} ({len(ts.trees)} trees, signal {ts.signal}, bins {ts.bin_edges}) "
+          f"and {out.with_suffix('.png')}")
+    return 0
+
+
+def _read_tree(spec: str):
+    from .tree import Tree
+
+    return Tree.parse(spec)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="entmtp", description="EntMTP: entropy-guided tree speculation for multi-token-prediction models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    _add_calibrate(sub)
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "calibrate":
+        return _calibrate(args)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

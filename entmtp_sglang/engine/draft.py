@@ -1,0 +1,224 @@
+"""Drafting: fill every node of each request's tree with a candidate token.
+
+Drafting is deterministic (top-k per parent): the child of rank r gets the drafter's r-th most likely
+token at that position. Each drafter works in two phases so a policy can look at the drafter's
+distribution for the next position before choosing the tree:
+
+    state = drafter.begin(features, roots)      # state.root_logits: drafter logits over x_{n+1}
+    tokens = drafter.expand(state, trees)       # (B, N) tokens, tokens[:, 0] = roots
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..model.drafters import EagleDraft, HydraHead, MedusaHeads
+from ..model.llama import LlamaForCausalLM
+from .batch_tree import PaddedTrees, tree_attention_mask
+
+
+@dataclass
+class DraftState:
+    features: torch.Tensor  # (B, d) target feature f_{n-1}
+    roots: torch.Tensor  # (B,) the known next tokens x_n
+    root_logits: torch.Tensor  # (B, V) drafter logits over x_{n+1}
+    extra: object = None
+
+
+def _topk_tokens(logits: torch.Tensor, k: int) -> torch.Tensor:
+    return torch.topk(logits, k, dim=-1).indices
+
+
+def _children_from_parents(tokens, trees: PaddedTrees, depth: int, parent_logits: dict[int, torch.Tensor],
+                           parent_idx: torch.Tensor, parent_ok: torch.Tensor, logits: torch.Tensor):
+    """Give each node at `depth` the rank-th best token of its parent's logits.
+
+    logits (B, M, V) belong to the parents listed in parent_idx (B, M)."""
+    b, n = trees.parents.shape
+    sel = trees.valid & (trees.depths == depth)
+    if not bool(sel.any()):
+        return
+    k = int(trees.ranks[sel].max()) + 1
+    top = _topk_tokens(logits, k)  # (B, M, k)
+    # position of each node's parent within parent_idx
+    par = trees.parents.clamp(min=0)  # (B, N)
+    match = (parent_idx.unsqueeze(1) == par.unsqueeze(2)) & parent_ok.unsqueeze(1)  # (B, N, M)
+    slot = match.float().argmax(-1)  # (B, N)
+    rank = trees.ranks.clamp(max=k - 1)
+    cand = torch.gather(top, 1, slot.unsqueeze(-1).expand(b, n, k))  # (B, N, k)
+    picked = torch.gather(cand, 2, rank.unsqueeze(-1)).squeeze(-1)
+    tokens[sel] = picked[sel]
+
+
+class MedusaDrafting:
+    def __init__(self, heads: MedusaHeads):
+        self.heads = heads
+        self.max_depth = heads.max_depth
+
+    def begin(self, features, roots) -> DraftState:
+        return DraftState(features, roots, self.heads.head_logits(features, 1))
+
+    def expand(self, state: DraftState, trees: PaddedTrees) -> torch.Tensor:
+        b, n = trees.parents.shape
+        tokens = torch.zeros((b, n), dtype=torch.int64)
+        tokens[:, 0] = state.roots
+        for depth in range(1, trees.max_depth + 1):
+            sel = trees.valid & (trees.depths == depth)
+            logits = state.root_logits if depth == 1 else self.heads.head_logits(state.features, depth)
+            k = int(trees.ranks[sel].max()) + 1
+            top = _topk_tokens(logits, k)  # (B, k): Medusa heads ignore the parent's token
+            picked = torch.gather(top, 1, trees.ranks.clamp(max=k - 1))
+            tokens[sel] = picked[sel]
+        return tokens
+
+    def path_logits(self, state: DraftState, true_tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Drafter logits at depths 1..K along the true continuation true_tokens (B, K) = x_{n+1..n+K}."""
+        return [state.root_logits] + [self.heads.head_logits(state.features, k)
+                                      for k in range(2, true_tokens.shape[1] + 1)]
+
+    def commit(self, *args, **kwargs) -> None:
+        """Medusa keeps no per-request state."""
+
+
+class HydraDrafting:
+    def __init__(self, head: HydraHead):
+        self.head = head
+        self.max_depth = head.max_depth
+
+    def begin(self, features, roots) -> DraftState:
+        z, logits = self.head.step(features, roots, 1)
+        return DraftState(features, roots, logits, extra=z)
+
+    def expand(self, state: DraftState, trees: PaddedTrees) -> torch.Tensor:
+        b, n = trees.parents.shape
+        d = state.features.shape[-1]
+        tokens = torch.zeros((b, n), dtype=torch.int64)
+        tokens[:, 0] = state.roots
+        states = torch.zeros((b, n, d), dtype=state.features.dtype)
+        states[:, 0] = state.extra
+        root_idx = torch.zeros((b, 1), dtype=torch.int64)
+        ok = torch.ones((b, 1), dtype=torch.bool)
+        _children_from_parents(tokens, trees, 1, {}, root_idx, ok, state.root_logits.unsqueeze(1))
+        for depth in range(1, trees.max_depth):
+            idx, ok = trees.level(depth, need_children=True)  # parents of depth+1 nodes
+            if idx.shape[1] == 0:
+                break
+            par = torch.gather(trees.parents, 1, idx).clamp(min=0)
+            prev = torch.gather(states, 1, par.unsqueeze(-1).expand(-1, -1, d))
+            tok = torch.gather(tokens, 1, idx)
+            z, logits = self.head.step(prev, tok, depth + 1)
+            states.scatter_(1, idx.unsqueeze(-1).expand(-1, -1, d), torch.where(ok.unsqueeze(-1), z, prev))
+            _children_from_parents(tokens, trees, depth + 1, {}, idx, ok, logits)
+        return tokens
+
+    def path_logits(self, state: DraftState, true_tokens: torch.Tensor) -> list[torch.Tensor]:
+        out, z = [state.root_logits], state.extra
+        for k in range(2, true_tokens.shape[1] + 1):
+            z, logits = self.head.step(z, true_tokens[:, k - 2].clamp(min=0), k)
+            out.append(logits)
+        return out
+
+    def commit(self, *args, **kwargs) -> None:
+        """Hydra keeps no per-request state between steps."""
+
+
+class EagleDrafting:
+    """EAGLE with its own KV cache; slot j of a row holds position j + 1 (position 0 has no entry)."""
+
+    def __init__(self, draft: EagleDraft, target: LlamaForCausalLM):
+        self.draft = draft
+        self.lm_head = target.lm_head_weight
+        self.max_depth = draft.max_depth
+        self.cache = None
+        self.lens = None  # (B,) committed draft-cache entries per row
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(out, self.lm_head)
+
+    def prefill(self, prompt_ids: torch.Tensor, prompt_lens: torch.Tensor, features: torch.Tensor,
+                capacity: int) -> None:
+        """prompt_ids (B, L) right-padded, features (B, L, d) = target features f_0 .. f_{L-1}."""
+        b, length = prompt_ids.shape
+        self.cache = self.draft.new_cache(b, capacity)
+        self.lens = torch.zeros(b, dtype=torch.int64)
+        if length > 1:
+            self.extend(prompt_ids[:, 1:], features[:, :-1], prompt_lens - 1)
+
+    def extend(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
+        """Append counts[b] entries per row: tokens x_p with the true target features f_{p-1}."""
+        b, t = tokens.shape
+        start = self.lens
+        positions = start.view(b, 1) + 1 + torch.arange(t).view(1, t)
+        span = int(start.max()) + t
+        slots = torch.arange(span).view(1, 1, span)
+        qpos = start.view(b, 1, 1) + torch.arange(t).view(1, t, 1)
+        mask = (slots <= qpos).unsqueeze(1)  # causal over committed + new entries
+        self.draft(tokens, feats, positions.clamp(max=self.draft.rotary.cos.shape[0] - 1), mask,
+                   self.cache, start)
+        self.lens = self.lens + counts
+
+    def begin(self, features, roots) -> DraftState:
+        b = roots.shape[0]
+        pos = (self.lens + 1).view(b, 1)
+        span = int(self.lens.max()) + 1
+        mask = (torch.arange(span).view(1, span) <= self.lens.view(b, 1)).view(b, 1, 1, span)
+        out = self.draft(roots.view(b, 1), features.view(b, 1, -1), pos, mask, self.cache, self.lens)
+        return DraftState(features, roots, self.logits(out[:, 0]), extra=out[:, 0])
+
+    def expand(self, state: DraftState, trees: PaddedTrees) -> torch.Tensor:
+        b, n = trees.parents.shape
+        d = state.features.shape[-1]
+        tokens = torch.zeros((b, n), dtype=torch.int64)
+        tokens[:, 0] = state.roots
+        outs = torch.zeros((b, n, d), dtype=state.features.dtype)
+        outs[:, 0] = state.extra
+        root_idx = torch.zeros((b, 1), dtype=torch.int64)
+        ok = torch.ones((b, 1), dtype=torch.bool)
+        _children_from_parents(tokens, trees, 1, {}, root_idx, ok, state.root_logits.unsqueeze(1))
+        for depth in range(1, trees.max_depth):
+            idx, ok = trees.level(depth, need_children=True)
+            if idx.shape[1] == 0:
+                break
+            par = torch.gather(trees.parents, 1, idx).clamp(min=0)
+            feats = torch.gather(outs, 1, par.unsqueeze(-1).expand(-1, -1, d))
+            tok = torch.gather(tokens, 1, idx)
+            pos = self.lens.view(b, 1) + 1 + depth
+            pos = pos.expand_as(idx).clamp(max=self.draft.rotary.cos.shape[0] - 1)
+            mask = tree_attention_mask(self.lens, trees, queries=idx)
+            slots = self.lens.view(b, 1) + idx  # node i lives at slot lens + i
+            out = self.draft(tok, feats, pos, mask, self.cache, slots)
+            outs.scatter_(1, idx.unsqueeze(-1).expand(-1, -1, d), torch.where(ok.unsqueeze(-1), out, feats))
+            _children_from_parents(tokens, trees, depth + 1, {}, idx, ok, self.logits(out))
+        return tokens
+
+    def path_logits(self, state: DraftState, true_tokens: torch.Tensor) -> list[torch.Tensor]:
+        """Chain drafting through the true tokens; uses scratch slots past the committed entries."""
+        b = true_tokens.shape[0]
+        out, feat = [state.root_logits], state.extra
+        for k in range(2, true_tokens.shape[1] + 1):
+            slot = (self.lens + k - 1).view(b, 1)
+            span = int(slot.max()) + 1
+            mask = (torch.arange(span).view(1, span) <= slot).view(b, 1, 1, span)
+            pos = (slot + 1).clamp(max=self.draft.rotary.cos.shape[0] - 1)
+            o = self.draft(true_tokens[:, k - 2].clamp(min=0).view(b, 1), feat.view(b, 1, -1), pos, mask,
+                           self.cache, slot)
+            feat = o[:, 0]
+            out.append(self.logits(feat))
+        return out
+
+    def commit(self, path_tokens: torch.Tensor, path_feats: torch.Tensor, counts: torch.Tensor) -> None:
+        """After verification: path_tokens (B, T) = root and accepted drafts, path_feats the true
+        target features of the positions before them; counts[b] valid entries."""
+        self.extend(path_tokens, path_feats, counts)
+
+
+def make_drafting(kind: str, module, target: LlamaForCausalLM):
+    if kind == "medusa":
+        return MedusaDrafting(module)
+    if kind == "hydra":
+        return HydraDrafting(module)
+    if kind == "eagle":
+        return EagleDrafting(module, target)
+    raise ValueError(f"unknown drafter {kind!r}")

@@ -1,0 +1,44 @@
+"""Shared fixtures: a small random model (fast, always available) and the bundled trained model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entmtp_sglang.model.drafters import EagleDraft, HydraHead, MedusaHeads
+from entmtp_sglang.model.llama import LlamaForCausalLM, LlamaShape, init_weights
+from entmtp_sglang.model.load import BUNDLED_MODEL, load_bundle
+
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+@pytest.fixture(scope="session")
+def random_models():
+    """Random target and drafters; drafters are nudged toward the target so some drafts get accepted."""
+    torch.manual_seed(0)
+    shape = LlamaShape(**TINY)
+    target = LlamaForCausalLM(shape)
+    init_weights(target, std=0.3)
+    drafters = {
+        "medusa": MedusaHeads(32, 97, 5),
+        "hydra": HydraHead(32, 97, 5),
+        "eagle": EagleDraft(LlamaShape(**{**TINY, "num_hidden_layers": 1})),
+    }
+    init_weights(drafters["eagle"], std=0.3)
+    with torch.no_grad():
+        for head in drafters["medusa"].lm_heads:
+            head.weight.copy_(target.lm_head_weight + 0.05 * torch.randn_like(head.weight))
+        drafters["hydra"].lm_head.weight.copy_(target.lm_head_weight)
+        drafters["eagle"].embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    for m in [target, *drafters.values()]:
+        m.eval().requires_grad_(False)
+    return target, drafters
+
+
+@pytest.fixture(scope="session")
+def bundled():
+    """The trained bundled model with each drafter (fp32)."""
+    if not (BUNDLED_MODEL / "model.safetensors").exists():
+        pytest.fail(f"bundled model missing at {BUNDLED_MODEL}")
+    return {k: load_bundle(drafter=k) for k in ("medusa", "hydra", "eagle")}

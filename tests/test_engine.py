@@ -1,0 +1,124 @@
+"""The reference engine on a small random model: lossless greedy speculation, batching, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entmtp_sglang.engine.engine import Engine, RequestError, StepView, static_chooser
+from entmtp_sglang.engine.plain import generate_plain
+from entmtp_sglang.engine.sampling import SamplingParams
+from entmtp_sglang.tree import Tree, TreeError, from_medusa_choices, from_sglang
+
+TREES = [Tree.chain(d) for d in range(1, 6)] + [
+    from_sglang(3, 4, 10),
+    from_medusa_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0)]),
+    Tree((-1, 0, 0, 0, 0, 1, 1, 2, 5, 8)),
+]
+
+
+def _prompts(n: int, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 97, (int(torch.randint(2, 20, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+def test_greedy_equals_plain_every_tree_batch1_and_batch4(random_models, kind):
+    target, drafters = random_models
+    prompts = _prompts(4)
+    ref = [generate_plain(target, p, 24) for p in prompts]
+    engine = Engine(target, kind, drafters[kind])
+    for tree in TREES:
+        batch = engine.generate(prompts, 24, static_chooser(tree))
+        assert [r.output_ids for r in batch] == ref, tree.name
+        single = engine.generate(prompts[:1], 24, static_chooser(tree))
+        assert single[0].output_ids == ref[0], tree.name
+
+
+def test_each_request_its_own_tree(random_models):
+    target, drafters = random_models
+    prompts = _prompts(5, seed=1)
+    ref = [generate_plain(target, p, 20) for p in prompts]
+
+    def chooser(view: StepView) -> Tree:  # a different tree per request and per step
+        return TREES[(view.index + len(view.history)) % len(TREES)]
+
+    for kind in ("medusa", "eagle"):
+        out = Engine(target, kind, drafters[kind]).generate(prompts, 20, chooser)
+        assert [r.output_ids for r in out] == ref
+        names = {s.tree for r in out for s in r.steps}
+        assert len(names) > 3
+
+
+def test_step_records(random_models):
+    target, drafters = random_models
+    out = Engine(target, "hydra", drafters["hydra"]).generate(_prompts(2), 16, static_chooser(TREES[5]))
+    for r in out:
+        assert len(r.output_ids) == 16 and r.finish_reason == "length"
+        for s in r.steps:
+            assert s.tree == TREES[5].name and s.num_nodes == TREES[5].num_nodes
+            assert 0 <= s.accepted <= TREES[5].max_depth
+            assert len(s.target_entropy) == s.accepted + 1
+            assert all(e >= 0 for e in s.target_entropy) and s.seconds > 0
+        assert sum(s.accepted + 1 for s in r.steps) + 1 >= 16
+
+
+def test_eos_stops_request(random_models):
+    target, drafters = random_models
+    prompt = _prompts(1, seed=3)[0]
+    ref = generate_plain(target, prompt, 30)
+    eos = ref[7]
+    first = ref.index(eos)
+    out = Engine(target, "medusa", drafters["medusa"], eos_token_id=eos).generate([prompt], 30,
+                                                                                 static_chooser(TREES[6]))
+    assert out[0].output_ids == ref[: first + 1]
+    assert out[0].finish_reason == "eos"
+
+
+def test_bad_requests_get_clear_errors(random_models):
+    target, drafters = random_models
+    engine = Engine(target, "medusa", drafters["medusa"])
+    with pytest.raises(RequestError, match="empty prompt"):
+        engine.generate([[]], 8, static_chooser(Tree.chain(2)))
+    with pytest.raises(RequestError, match="exceeds the model context of 256"):
+        engine.generate([[1, 2, 3]], 300, static_chooser(Tree.chain(2)))
+    with pytest.raises(RequestError, match="max_new_tokens"):
+        engine.generate([[1, 2, 3]], 0, static_chooser(Tree.chain(2)))
+    with pytest.raises(TreeError, match="depth 6, beyond the 5 draft positions"):
+        engine.generate([[1, 2, 3]], 8, static_chooser(Tree.chain(6)))
+
+
+def test_near_context_end_falls_back_to_plain_decoding(random_models):
+    target, drafters = random_models
+    prompt = _prompts(1, seed=4)[0]
+    n = 256 - len(prompt)  # fill the whole context
+    ref = generate_plain(target, prompt, n)
+    out = Engine(target, "hydra", drafters["hydra"]).generate([prompt], n, static_chooser(Tree.chain(5)))
+    assert out[0].output_ids == ref
+    assert out[0].steps[-1].tree == "chain:0"
+
+
+def test_sampled_speculation_matches_plain_sampling_distribution(random_models):
+    """End to end: the distribution of the 3rd generated token matches plain sampling (two-sample)."""
+    target, drafters = random_models
+    prompt = [5, 17, 42]
+    params = SamplingParams(temperature=1.0)
+    engine = Engine(target, "medusa", drafters["medusa"])
+    spec = torch.zeros(97)
+    plain = torch.zeros(97)
+    for seed in range(300):
+        r = engine.generate([prompt], 3, static_chooser(Tree.chain(2)), params, seed=seed)[0]
+        spec[r.output_ids[2]] += 1
+        g = torch.Generator().manual_seed(10_000 + seed)
+        plain[generate_plain(target, prompt, 3, params, generator=g)[2]] += 1
+    # two-sample chi-square over bins with enough mass
+    keep = (spec + plain) >= 10
+    other = torch.tensor([(spec[~keep]).sum(), (plain[~keep]).sum()])
+    a = torch.cat([spec[keep], other[:1]])
+    b = torch.cat([plain[keep], other[1:]])
+    stat = float((((a - b) ** 2) / (a + b).clamp(min=1)).sum())
+    dof = int(keep.sum())
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                            torch.tensor(stat / 2.0, dtype=torch.float64)))
+    assert p_value > 0.01
