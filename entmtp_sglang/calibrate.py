@@ -156,9 +156,21 @@ def quantile_edges(values: list[float], bins: int) -> tuple[float, ...]:
     return tuple(edges)
 
 
+_COST_CACHE: dict[tuple, float] = {}
+
+
 def measure_cost(bundle: Bundle, tree: Tree, prompts: list[list[int]], batch_size: int,
                  steps: int = 12) -> float:
-    """Median wall time of one engine step (draft + verify + commit) with this tree."""
+    """Median wall time of one engine step (draft + verify + commit) with this tree.
+
+    Cached per (model, drafter, tree, batch size) within a process: cost depends on the shape, not the task."""
+    key = (str(bundle.path), bundle.drafter_kind, tree.parents, batch_size)
+    if key not in _COST_CACHE:
+        _COST_CACHE[key] = _measure_cost(bundle, tree, prompts, batch_size, steps)
+    return _COST_CACHE[key]
+
+
+def _measure_cost(bundle: Bundle, tree: Tree, prompts: list[list[int]], batch_size: int, steps: int) -> float:
     engine = Engine(bundle.target, bundle.drafter_kind, bundle.drafter, None)
     batch = [prompts[i % len(prompts)] for i in range(batch_size)]
     # force `steps` steps: each step emits at most depth + 1 tokens, so ask for enough tokens
@@ -279,6 +291,19 @@ def plot_pareto(points: dict, ts: TreeSet, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def save_records(records: list[PositionRecord], path: Path) -> None:
+    import json
+
+    path.write_text(json.dumps([[r.prompt, r.pos, round(r.draft_entropy, 4), round(r.target_entropy, 4),
+                                 list(r.ranks)] for r in records]))
+
+
+def load_records(path: Path) -> list[PositionRecord]:
+    import json
+
+    return [PositionRecord(p, s, d, t, tuple(r)) for p, s, d, t, r in json.loads(Path(path).read_text())]
 
 
 def simulate(records: list[PositionRecord], choose) -> tuple[int, int, float]:

@@ -41,6 +41,18 @@ def _add_generate(sub) -> None:
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--no-speculation", action="store_true",
                    help="plain one-token-per-pass decoding, for comparison")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", type=Path, metavar="FILE",
+                   help="constrain the output to JSON valid under this JSON Schema (xgrammar)")
+    g.add_argument("--json", action="store_true", help="constrain the output to any JSON value")
+    g.add_argument("--regex", help="constrain the output to match this regular expression")
+    g.add_argument("--ebnf", type=Path, metavar="FILE", help="constrain the output to this EBNF grammar")
+    p.add_argument("--any-whitespace", action="store_true",
+                   help="JSON: allow any whitespace (default: compact layout, which keeps small models "
+                        "out of runs of newlines)")
+    p.add_argument("--grammar-at-verify-only", action="store_true",
+                   help="apply the grammar only when verifying (SGLang's behaviour); by default drafts "
+                        "are masked too and illegal branches pruned")
 
 
 def _generate(args) -> int:
@@ -63,15 +75,18 @@ def _generate(args) -> int:
     prompts = [bundle.tokenizer.encode(p).ids for p in args.prompt]
     engine = Engine(bundle.target, bundle.drafter_kind, bundle.drafter, bundle.eos_token_id)
     try:
+        grammars = _grammars(args, bundle, len(prompts))
         t0 = time.perf_counter()
-        results = engine.generate(prompts, args.max_new_tokens, static_chooser(tree), sampling, args.seed)
+        results = engine.generate(prompts, args.max_new_tokens, static_chooser(tree), sampling, args.seed,
+                                  grammars=grammars, grammar_drafting=not args.grammar_at_verify_only)
         seconds = time.perf_counter() - t0
-    except (RequestError, TreeError) as e:
+    except (RequestError, TreeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     for text, r in zip(args.prompt, results):
-        print(text + bundle.tokenizer.decode(r.output_ids))
-        print("-" * 40)
+        out = [t for t in r.output_ids if t != bundle.eos_token_id]
+        print(text + bundle.tokenizer.decode(out))
+        print(f"-- finish: {r.finish_reason}")
     tokens = sum(len(r.output_ids) for r in results)
     passes = sum(1 + len(r.steps) for r in results) / len(results)
     steps = [s for r in results for s in r.steps]
@@ -90,7 +105,9 @@ def _add_calibrate(sub) -> None:
                     "trees (JSON) with a Pareto-frontier plot (PNG).")
     p.add_argument("--model", type=Path, default=None, help="model directory (default: bundled entmtp-tiny)")
     p.add_argument("--drafter", choices=("medusa", "hydra", "eagle"), required=True)
-    p.add_argument("--task", required=True, help="code, math, chat, prose, json or mixed")
+    p.add_argument("--task", required=True,
+                   help="code, math, chat, prose, json or mixed; a comma-separated list runs several "
+                        "(costs are measured once per tree shape)")
     p.add_argument("--prompts", type=int, default=24, help="calibration prompts to decode (default: 24)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default: 96)")
     p.add_argument("--bins", type=int, default=4, help="entropy bins (default: 4)")
@@ -100,41 +117,68 @@ def _add_calibrate(sub) -> None:
 
 
 def _calibrate(args) -> int:
-    import json
-
     import torch
     from tqdm import tqdm
 
-    from .calibrate import CalibrationConfig, build_tree_set, plot_pareto, record_positions
+    from .calibrate import CalibrationConfig, build_tree_set, plot_pareto, record_positions, save_records
     from .model.load import load_bundle
     from .tasks import TASKS, interleave, load_prompts
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    cfg = CalibrationConfig(args.drafter, args.task, args.prompts, args.max_new_tokens, num_bins=args.bins)
-    if args.task == "mixed":
-        items = interleave(("prose", "json", "code"), "calib", max(1, args.prompts // 3 + 1))[: args.prompts]
-    elif args.task in TASKS:
-        items = load_prompts(args.task, "calib", args.prompts)
-    else:
-        print(f"error: unknown task {args.task!r}", file=sys.stderr)
-        return 2
     bundle = load_bundle(args.model, args.drafter)
-    room = bundle.target.shape.max_position_embeddings - args.max_new_tokens - 40
-    prompts = [bundle.tokenizer.encode(it["prompt"]).ids[-room:] for it in items]
-    with tqdm(total=len(prompts), desc=f"calibrate {args.drafter}/{args.task}", unit="prompt") as bar:
-        records = record_positions(bundle, prompts, cfg, bar)
-    ts, points = build_tree_set(bundle, records, prompts, cfg, log=tqdm.write)
-    out = args.out or Path("trees") / f"{ts.model}-{args.drafter}-{args.task}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    ts.save(out)
-    plot_pareto(points, ts, out.with_suffix(".png"))
-    (out.with_suffix(".records.json")).write_text(json.dumps(
-        [[r.prompt, r.pos, round(r.draft_entropy, 4), round(r.target_entropy, 4), list(r.ranks)]
-         for r in records]))
-    print(f"wrote {out} ({len(ts.trees)} trees, signal {ts.signal}, bins {ts.bin_edges}) "
-          f"and {out.with_suffix('.png')}")
+    tasks = [t.strip() for t in args.task.split(",") if t.strip()]
+    for task in tasks:
+        if task != "mixed" and task not in TASKS:
+            print(f"error: unknown task {task!r}; choose from {', '.join(TASKS)}, mixed", file=sys.stderr)
+            return 2
+    if args.out and len(tasks) > 1:
+        print("error: --out needs a single --task", file=sys.stderr)
+        return 2
+    for task in tasks:
+        cfg = CalibrationConfig(args.drafter, task, args.prompts, args.max_new_tokens, num_bins=args.bins)
+        if task == "mixed":
+            items = interleave(("prose", "json", "code"), "calib", args.prompts // 3 + 1)[: args.prompts]
+        else:
+            items = load_prompts(task, "calib", args.prompts)
+        room = bundle.target.shape.max_position_embeddings - args.max_new_tokens - 40
+        prompts = [bundle.tokenizer.encode(it["prompt"]).ids[-room:] for it in items]
+        with tqdm(total=len(prompts), desc=f"calibrate {args.drafter}/{task}", unit="prompt") as bar:
+            records = record_positions(bundle, prompts, cfg, bar)
+        ts, points = build_tree_set(bundle, records, prompts, cfg, log=tqdm.write)
+        out = args.out or Path("trees") / f"{ts.model}-{args.drafter}-{task}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        ts.save(out)
+        plot_pareto(points, ts, out.with_suffix(".png"))
+        save_records(records, out.with_suffix(".records.jsonl"))
+        print(f"wrote {out} ({len(ts.trees)} trees, signal {ts.signal}, bins "
+              f"{[round(e, 3) for e in ts.bin_edges]}) and {out.with_suffix('.png')}", flush=True)
     return 0
+
+
+def _grammars(args, bundle, n: int):
+    """One compiled grammar per request, or None; errors name the problem before generation starts."""
+    from .grammar import GrammarError, GrammarSpec, RequestGrammar, compile_grammar
+
+    if args.json_schema:
+        try:
+            spec = GrammarSpec("json_schema", args.json_schema.read_text(), compact=not args.any_whitespace)
+        except OSError as e:
+            raise GrammarError(f"cannot read the JSON schema file: {e}") from None
+    elif args.json:
+        spec = GrammarSpec("json", compact=not args.any_whitespace)
+    elif args.regex is not None:
+        spec = GrammarSpec("regex", args.regex)
+    elif args.ebnf:
+        try:
+            spec = GrammarSpec("ebnf", args.ebnf.read_text())
+        except OSError as e:
+            raise GrammarError(f"cannot read the EBNF file: {e}") from None
+    else:
+        return None
+    vocab = bundle.target.shape.vocab_size
+    compiled = compile_grammar(spec, str(bundle.path), vocab)
+    return [RequestGrammar(compiled, vocab) for _ in range(n)]
 
 
 def _read_tree(spec: str):

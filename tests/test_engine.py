@@ -122,3 +122,31 @@ def test_sampled_speculation_matches_plain_sampling_distribution(random_models):
     p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
                                             torch.tensor(stat / 2.0, dtype=torch.float64)))
     assert p_value > 0.01
+
+
+def test_dynamic_eagle2_trees_are_lossless(random_models):
+    from entmtp_sglang.engine.engine import DynamicTree
+
+    target, drafters = random_models
+    prompts = _prompts(3, seed=7)
+    ref = [generate_plain(target, p, 20) for p in prompts]
+    wide = from_sglang(4, 5, 30)
+    for kind in ("medusa", "hydra", "eagle"):
+        out = Engine(target, kind, drafters[kind]).generate(prompts, 20,
+                                                            lambda v: DynamicTree(wide, 8))
+        assert [r.output_ids for r in out] == ref
+        assert all(s.num_nodes <= 8 for r in out for s in r.steps)
+
+
+def test_prune_by_confidence_keeps_a_prefix_closed_subtree():
+    from entmtp_sglang.engine.engine import prune_by_confidence, subtree
+
+    #      0
+    #    /   \        log-probs: 1: -0.1, 2: -1.0, 3: -0.2, 4: -3.0, 5: -0.1
+    #   1     2       cumulative: 1 -0.1, 3 -0.3, 2 -1.0, 5 -1.1, 4 -3.1
+    #  / \    |
+    # 3   4   5
+    tree = Tree((-1, 0, 0, 1, 1, 2))
+    nodes = prune_by_confidence(tree, [0.0, -0.1, -1.0, -0.2, -3.0, -0.1], 4)
+    assert nodes == [0, 1, 2, 3]
+    assert subtree(tree, nodes).parents == (-1, 0, 0, 1)

@@ -5,7 +5,8 @@ token at that position. Each drafter works in two phases so a policy can look at
 distribution for the next position before choosing the tree:
 
     state = drafter.begin(features, roots)      # state.root_logits: drafter logits over x_{n+1}
-    tokens = drafter.expand(state, trees)       # (B, N) tokens, tokens[:, 0] = roots
+    tokens, logprobs = drafter.expand(state, trees)   # (B, N): tokens[:, 0] = roots; each node's
+                                                      # draft log-prob under its parent's distribution
 """
 
 from __future__ import annotations
@@ -27,29 +28,39 @@ class DraftState:
     extra: object = None
 
 
-def _topk_tokens(logits: torch.Tensor, k: int) -> torch.Tensor:
-    return torch.topk(logits, k, dim=-1).indices
+def _children_from_parents(tokens, logprobs, trees: PaddedTrees, depth: int, parent_idx: torch.Tensor,
+                           parent_ok: torch.Tensor, logits: torch.Tensor, legal=None) -> None:
+    """Give each node at `depth` the rank-th best token of its parent's logits (and its log-prob).
 
-
-def _children_from_parents(tokens, trees: PaddedTrees, depth: int, parent_logits: dict[int, torch.Tensor],
-                           parent_idx: torch.Tensor, parent_ok: torch.Tensor, logits: torch.Tensor):
-    """Give each node at `depth` the rank-th best token of its parent's logits.
-
-    logits (B, M, V) belong to the parents listed in parent_idx (B, M)."""
+    logits (B, M, V) belong to the parents listed in parent_idx (B, M). `legal(parent_idx, tokens)`,
+    if given, returns (B, M, V) bool: the tokens a grammar allows after each parent; a child that has
+    no legal token left gets log-prob -inf (the engine prunes it)."""
     b, n = trees.parents.shape
     sel = trees.valid & (trees.depths == depth)
     if not bool(sel.any()):
         return
+    if legal is not None:
+        logits = logits.float().masked_fill(~legal(parent_idx, tokens), float("-inf"))
     k = int(trees.ranks[sel].max()) + 1
-    top = _topk_tokens(logits, k)  # (B, M, k)
-    # position of each node's parent within parent_idx
+    top = torch.topk(torch.log_softmax(logits.float(), -1), k, dim=-1)  # (B, M, k)
     par = trees.parents.clamp(min=0)  # (B, N)
     match = (parent_idx.unsqueeze(1) == par.unsqueeze(2)) & parent_ok.unsqueeze(1)  # (B, N, M)
-    slot = match.float().argmax(-1)  # (B, N)
-    rank = trees.ranks.clamp(max=k - 1)
-    cand = torch.gather(top, 1, slot.unsqueeze(-1).expand(b, n, k))  # (B, N, k)
-    picked = torch.gather(cand, 2, rank.unsqueeze(-1)).squeeze(-1)
-    tokens[sel] = picked[sel]
+    slot = match.float().argmax(-1)  # (B, N): position of each node's parent within parent_idx
+    rank = trees.ranks.clamp(max=k - 1).unsqueeze(-1)
+    for src, dst in ((top.indices, tokens), (top.values, logprobs)):
+        cand = torch.gather(src, 1, slot.unsqueeze(-1).expand(b, n, k))  # (B, N, k)
+        dst[sel] = torch.gather(cand, 2, rank).squeeze(-1)[sel].to(dst.dtype)
+
+
+def _start(state: DraftState, trees: PaddedTrees, legal=None):
+    b, n = trees.parents.shape
+    tokens = torch.zeros((b, n), dtype=torch.int64)
+    tokens[:, 0] = state.roots
+    logprobs = torch.zeros((b, n), dtype=torch.float32)
+    root_idx = torch.zeros((b, 1), dtype=torch.int64)
+    ok = torch.ones((b, 1), dtype=torch.bool)
+    _children_from_parents(tokens, logprobs, trees, 1, root_idx, ok, state.root_logits.unsqueeze(1), legal)
+    return tokens, logprobs
 
 
 class MedusaDrafting:
@@ -60,18 +71,16 @@ class MedusaDrafting:
     def begin(self, features, roots) -> DraftState:
         return DraftState(features, roots, self.heads.head_logits(features, 1))
 
-    def expand(self, state: DraftState, trees: PaddedTrees) -> torch.Tensor:
-        b, n = trees.parents.shape
-        tokens = torch.zeros((b, n), dtype=torch.int64)
-        tokens[:, 0] = state.roots
-        for depth in range(1, trees.max_depth + 1):
-            sel = trees.valid & (trees.depths == depth)
-            logits = state.root_logits if depth == 1 else self.heads.head_logits(state.features, depth)
-            k = int(trees.ranks[sel].max()) + 1
-            top = _topk_tokens(logits, k)  # (B, k): Medusa heads ignore the parent's token
-            picked = torch.gather(top, 1, trees.ranks.clamp(max=k - 1))
-            tokens[sel] = picked[sel]
-        return tokens
+    def expand(self, state: DraftState, trees: PaddedTrees, legal=None):
+        tokens, logprobs = _start(state, trees, legal)
+        for depth in range(1, trees.max_depth):
+            idx, ok = trees.level(depth, need_children=True)  # parents of the depth+1 nodes
+            if idx.shape[1] == 0:
+                break
+            # Medusa heads ignore the parent's token: every parent at a depth shares one distribution
+            logits = self.heads.head_logits(state.features, depth + 1).unsqueeze(1).expand(-1, idx.shape[1], -1)
+            _children_from_parents(tokens, logprobs, trees, depth + 1, idx, ok, logits, legal)
+        return tokens, logprobs
 
     def path_logits(self, state: DraftState, true_tokens: torch.Tensor) -> list[torch.Tensor]:
         """Drafter logits at depths 1..K along the true continuation true_tokens (B, K) = x_{n+1..n+K}."""
@@ -91,16 +100,12 @@ class HydraDrafting:
         z, logits = self.head.step(features, roots, 1)
         return DraftState(features, roots, logits, extra=z)
 
-    def expand(self, state: DraftState, trees: PaddedTrees) -> torch.Tensor:
+    def expand(self, state: DraftState, trees: PaddedTrees, legal=None):
         b, n = trees.parents.shape
         d = state.features.shape[-1]
-        tokens = torch.zeros((b, n), dtype=torch.int64)
-        tokens[:, 0] = state.roots
+        tokens, logprobs = _start(state, trees, legal)
         states = torch.zeros((b, n, d), dtype=state.features.dtype)
         states[:, 0] = state.extra
-        root_idx = torch.zeros((b, 1), dtype=torch.int64)
-        ok = torch.ones((b, 1), dtype=torch.bool)
-        _children_from_parents(tokens, trees, 1, {}, root_idx, ok, state.root_logits.unsqueeze(1))
         for depth in range(1, trees.max_depth):
             idx, ok = trees.level(depth, need_children=True)  # parents of depth+1 nodes
             if idx.shape[1] == 0:
@@ -110,8 +115,8 @@ class HydraDrafting:
             tok = torch.gather(tokens, 1, idx)
             z, logits = self.head.step(prev, tok, depth + 1)
             states.scatter_(1, idx.unsqueeze(-1).expand(-1, -1, d), torch.where(ok.unsqueeze(-1), z, prev))
-            _children_from_parents(tokens, trees, depth + 1, {}, idx, ok, logits)
-        return tokens
+            _children_from_parents(tokens, logprobs, trees, depth + 1, idx, ok, logits, legal)
+        return tokens, logprobs
 
     def path_logits(self, state: DraftState, true_tokens: torch.Tensor) -> list[torch.Tensor]:
         out, z = [state.root_logits], state.extra
@@ -167,16 +172,12 @@ class EagleDrafting:
         out = self.draft(roots.view(b, 1), features.view(b, 1, -1), pos, mask, self.cache, self.lens)
         return DraftState(features, roots, self.logits(out[:, 0]), extra=out[:, 0])
 
-    def expand(self, state: DraftState, trees: PaddedTrees) -> torch.Tensor:
+    def expand(self, state: DraftState, trees: PaddedTrees, legal=None):
         b, n = trees.parents.shape
         d = state.features.shape[-1]
-        tokens = torch.zeros((b, n), dtype=torch.int64)
-        tokens[:, 0] = state.roots
+        tokens, logprobs = _start(state, trees, legal)
         outs = torch.zeros((b, n, d), dtype=state.features.dtype)
         outs[:, 0] = state.extra
-        root_idx = torch.zeros((b, 1), dtype=torch.int64)
-        ok = torch.ones((b, 1), dtype=torch.bool)
-        _children_from_parents(tokens, trees, 1, {}, root_idx, ok, state.root_logits.unsqueeze(1))
         for depth in range(1, trees.max_depth):
             idx, ok = trees.level(depth, need_children=True)
             if idx.shape[1] == 0:
@@ -190,8 +191,8 @@ class EagleDrafting:
             slots = self.lens.view(b, 1) + idx  # node i lives at slot lens + i
             out = self.draft(tok, feats, pos, mask, self.cache, slots)
             outs.scatter_(1, idx.unsqueeze(-1).expand(-1, -1, d), torch.where(ok.unsqueeze(-1), out, feats))
-            _children_from_parents(tokens, trees, depth + 1, {}, idx, ok, self.logits(out))
-        return tokens
+            _children_from_parents(tokens, logprobs, trees, depth + 1, idx, ok, self.logits(out), legal)
+        return tokens, logprobs
 
     def path_logits(self, state: DraftState, true_tokens: torch.Tensor) -> list[torch.Tensor]:
         """Chain drafting through the true tokens; uses scratch slots past the committed entries."""

@@ -66,7 +66,82 @@ class StepView:
     position: int  # tokens committed so far
 
 
-TreeChooser = Callable[[StepView], Tree]
+@dataclass(frozen=True)
+class DynamicTree:
+    """EAGLE-2 style: draft the `wide` tree, then verify only the `keep` nodes (root included) with the
+    highest cumulative draft log-probability (a prefix-closed subtree)."""
+
+    wide: Tree
+    keep: int
+
+    @property
+    def name(self) -> str:
+        return f"dynamic:{self.wide.num_nodes}->{self.keep}"
+
+    @property
+    def max_depth(self) -> int:
+        return self.wide.max_depth
+
+    def check_depth(self, max_depth: int, what: str) -> None:
+        self.wide.check_depth(max_depth, what)
+
+
+TreeChooser = Callable[[StepView], "Tree | DynamicTree"]
+
+
+def prune_by_confidence(tree: Tree, logprobs: list[float], keep: int) -> list[int]:
+    """Node indices (sorted) of the `keep` nodes with the best cumulative log-prob; always the root."""
+    cum = [0.0] * tree.num_nodes
+    for i in range(1, tree.num_nodes):
+        cum[i] = cum[tree.parents[i]] + logprobs[i]
+    order = sorted((i for i in range(1, tree.num_nodes) if cum[i] != float("-inf")), key=lambda i: (-cum[i], i))
+    kept = set(order[: max(0, keep - 1)])
+    # enforce prefix closure and contiguous sibling ranks against ties
+    for i in sorted(kept):
+        j = i
+        while j > 0 and tree.parents[j] not in kept and tree.parents[j] != 0:
+            kept.add(tree.parents[j])
+            j = tree.parents[j]
+    for kids in tree.children:
+        chosen = [c for c in kids if c in kept]
+        if chosen:
+            kept.update(kids[: kids.index(chosen[-1]) + 1])
+    return [0] + sorted(kept)
+
+
+class _GrammarDraftMasks:
+    """legal(parent_idx, tokens) -> (B, M, V): tokens each request's grammar allows after each parent."""
+
+    def __init__(self, grammars, root_masks: dict, vocab: int):
+        self.grammars, self.root_masks, self.vocab = grammars, root_masks, vocab
+        self.parents: torch.Tensor | None = None  # (B, N) of the padded trees being drafted
+
+    def __call__(self, parent_idx: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        b, m = parent_idx.shape
+        out = torch.ones((b, m, self.vocab), dtype=torch.bool)
+        for i, g in enumerate(self.grammars):
+            if g is None or i not in self.root_masks:
+                continue
+            for j, u in enumerate(parent_idx[i].tolist()):
+                if u == 0:
+                    out[i, j] = self.root_masks[i]
+                else:
+                    path = self._path(i, u, tokens)
+                    out[i, j] = g.path_mask(path)
+        return out
+
+    def _path(self, i: int, u: int, tokens: torch.Tensor) -> list[int]:
+        # parents are found through the padded tree rows the drafter is expanding
+        path = []
+        while u > 0:
+            path.append(int(tokens[i, u]))
+            u = int(self.parents[i, u])
+        return path[::-1]
+
+
+def subtree(tree: Tree, nodes: list[int]) -> Tree:
+    index = {n: i for i, n in enumerate(nodes)}
+    return Tree(tuple(-1 if n == 0 else index[tree.parents[n]] for n in nodes), name=f"dyn:n{len(nodes)}")
 
 
 def static_chooser(tree: Tree) -> TreeChooser:
@@ -96,9 +171,16 @@ class Engine:
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, chooser: TreeChooser,
                  sampling: SamplingParams = SamplingParams(), seed: int = 0,
-                 observer: Callable | None = None) -> list[RequestResult]:
+                 observer: Callable | None = None, grammars: list | None = None,
+                 grammar_drafting: bool = True) -> list[RequestResult]:
         """Generate for a batch. `chooser` picks each request's tree per step. `observer(state, lens,
-        drafting, active)`, if given, sees the drafter state of every step before the tree is chosen."""
+        drafting, active)`, if given, sees the drafter state of every step before the tree is chosen.
+
+        `grammars[i]` (a `grammar.RequestGrammar` or None) constrains request i: the target's logits at
+        every tree node are masked by that node's grammar state, so the output equals constrained
+        plain decoding. With `grammar_drafting`, drafts are masked too (illegal branches are pruned)
+        and the entropy the policy sees is the masked one; without it the grammar acts only at
+        verification, as in SGLang."""
         for p in prompts:
             self.check_request(p, max_new_tokens)
         gen = torch.Generator().manual_seed(seed)
@@ -119,12 +201,19 @@ class Engine:
         causal = torch.ones(length, length, dtype=torch.bool).tril().expand(b, 1, length, length)
         hidden = self.target(ids, pos, causal, cache, torch.zeros(b, dtype=torch.int64))
         last = hidden[torch.arange(b), lens - 1]  # (B, d) = f_{L-1}
-        roots = self._pick(self.target.logits(last), sampling, gen)
+        grammars = grammars or [None] * b
+        first = self.target.logits(last)
+        for i, g in enumerate(grammars):
+            if g is not None:
+                first[i] = first[i].masked_fill(~g.root_mask(), float("-inf"))
+        roots = self._pick(first, sampling, gen)
         if self.drafter_kind == "eagle":
             drafting.prefill(ids, lens, hidden, capacity)
-        for r, t in zip(results, roots.tolist()):
+        for r, t, g in zip(results, roots.tolist(), grammars):
             r.output_ids.append(t)
-        active = [not self._finished(r, max_new_tokens) for r in results]
+            if g is not None:
+                g.advance([t])
+        active = [not self._finished(r, max_new_tokens, g) for r, g in zip(results, grammars)]
         feats = last
 
         while any(active):
@@ -132,6 +221,12 @@ class Engine:
             state = drafting.begin(feats, roots)
             if observer is not None:
                 observer(state, lens, drafting, active)
+            legal = None
+            if any(g is not None for g in grammars) and grammar_drafting:
+                now = {i: g.root_mask() for i, g in enumerate(grammars) if g is not None and active[i]}
+                for i, m in now.items():
+                    state.root_logits[i] = state.root_logits[i].masked_fill(~m, float("-inf"))
+                legal = _GrammarDraftMasks(grammars, now, state.root_logits.shape[-1])
             d_ent = entropy_nats(state.root_logits)
             trees = []
             for i in range(b):
@@ -143,7 +238,9 @@ class Engine:
                     if int(lens[i]) + tree.max_depth + 1 > self.context:
                         tree = Tree.chain(0)  # no room left to speculate: plain decoding
                 trees.append(tree)
-            accepted, hidden, logits = self._draft_verify(drafting, state, trees, lens, cache, sampling, gen)
+            names = [t.name for t in trees]
+            accepted, hidden, logits = self._draft_verify(drafting, state, trees, lens, cache, sampling, gen,
+                                                          grammars, legal)
             feats, roots, commit = self._commit(accepted, hidden, lens, cache, state, active)
             if self.drafter_kind == "eagle":
                 drafting.commit(*commit)
@@ -154,15 +251,20 @@ class Engine:
                 acc, node_tokens = accepted[i]
                 ent = entropy_nats(logits[i, list(acc.nodes)]).tolist()
                 new = [node_tokens[n] for n in acc.nodes[1:]] + [acc.next_token]
+                if grammars[i] is not None:
+                    grammars[i].advance(new)
                 r = results[i]
-                r.steps.append(StepRecord(trees[i].name, trees[i].num_nodes, acc.num_accepted, ent,
+                r.steps.append(StepRecord(names[i], trees[i].num_nodes, acc.num_accepted, ent,
                                           float(d_ent[i]), seconds))
                 r.output_ids.extend(new)
-                active[i] = not self._finished(r, max_new_tokens)
+                active[i] = not self._finished(r, max_new_tokens, grammars[i])
         return results
 
     # ------------------------------------------------------------------------------------------
-    def _finished(self, r: RequestResult, max_new_tokens: int) -> bool:
+    def _finished(self, r: RequestResult, max_new_tokens: int, grammar=None) -> bool:
+        if grammar is not None and grammar.dead_end:
+            r.finish_reason = "grammar rejected a token (dead end)"
+            return True
         if self.eos is not None and self.eos in r.output_ids:
             r.output_ids = r.output_ids[: r.output_ids.index(self.eos) + 1]
             r.finish_reason = "eos"
@@ -171,6 +273,13 @@ class Engine:
             r.output_ids = r.output_ids[:max_new_tokens]
             r.finish_reason = "length"
             return True
+        if grammar is not None:
+            if grammar.terminated:
+                r.finish_reason = "grammar complete"
+                return True
+            if not bool(grammar.root_mask().any()):
+                r.finish_reason = "grammar dead end: no token is allowed next"
+                return True
         return False
 
     @staticmethod
@@ -179,14 +288,41 @@ class Engine:
             return logits.argmax(-1)
         return torch.multinomial(probs_from_logits(logits, sampling), 1, generator=gen).squeeze(-1)
 
-    def _draft_verify(self, drafting, state: DraftState, trees: list[Tree], lens, cache, sampling, gen):
-        padded = pad_trees(trees)
-        tokens = drafting.expand(state, padded)  # (B, N)
+    def _draft_verify(self, drafting, state: DraftState, trees: list, lens, cache, sampling, gen,
+                      grammars, legal):
+        wide = [t.wide if isinstance(t, DynamicTree) else t for t in trees]
+        padded = pad_trees(wide)
+        if legal is not None:
+            legal.parents = padded.parents
+        tokens, logprobs = drafting.expand(state, padded, legal)  # (B, N)
+        prune = legal is not None and bool(torch.isinf(logprobs).any())
+        if prune or any(isinstance(t, DynamicTree) for t in trees):
+            new_tokens, new_trees = [], []
+            for i, t in enumerate(trees):
+                full = t.wide if isinstance(t, DynamicTree) else t
+                lp = logprobs[i, : full.num_nodes].tolist()
+                keep = t.keep if isinstance(t, DynamicTree) else full.num_nodes
+                nodes = prune_by_confidence(full, lp, keep)
+                if nodes == list(range(full.num_nodes)):
+                    new_trees.append(full)
+                else:
+                    new_trees.append(subtree(full, nodes))
+                new_tokens.append(tokens[i, nodes])
+            trees[:] = new_trees
+            padded = pad_trees(new_trees)
+            tokens = torch.zeros(padded.parents.shape, dtype=torch.int64)
+            for i, row in enumerate(new_tokens):
+                tokens[i, : len(row)] = row
         b, n = tokens.shape
         positions = lens.view(b, 1) + padded.depths
         mask = tree_attention_mask(lens, padded)
         hidden = self.target(tokens, positions, mask, cache, lens)  # (B, N, d)
         logits = self.target.logits(hidden)  # (B, N, V)
+        for i, g in enumerate(grammars):
+            if g is not None:
+                k = trees[i].num_nodes
+                masks = g.tree_masks(trees[i], tokens[i, :k].tolist())
+                logits[i, :k] = logits[i, :k].masked_fill(~masks, float("-inf"))
         accepted = []
         if sampling.greedy:
             argmax = logits.argmax(-1).tolist()

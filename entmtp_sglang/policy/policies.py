@@ -5,6 +5,7 @@
 * AdaptiveEMAPolicy  - SGLang's `--speculative-adaptive` rule: an EMA of accepted length picks the
                        chain depth (same constants as sglang/srt/speculative/adaptive_spec_params.py).
 * OraclePolicy       - in hindsight, the best tree of the set at each step (the ceiling).
+* Eagle2Policy       - EAGLE-2 style: expand a wide tree, verify the most confident nodes.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ SGLANG_ADAPTIVE = {
 EMA_ALPHA, UPDATE_INTERVAL, WARMUP_BATCHES = 0.2, 5, 10
 
 
+# Policies keep per-request state keyed by the request's index in the batch; make a new policy object
+# for each independent run. Consecutive generate calls on the same policy continue the same streams.
+
+
 class StaticPolicy:
     def __init__(self, tree: Tree):
         self.tree = tree
@@ -45,8 +50,6 @@ class EntMTPPolicy:
 
     def __call__(self, view: StepView) -> Tree:
         h = signal_value(self.tree_set.signal, view.draft_entropy, view.history, self.window)
-        if not view.history:
-            self.current.pop(view.index, None)
         idx = select_tree(self.tree_set, h, view.batch_size, self.current.get(view.index), self.hysteresis)
         self.current[view.index] = idx
         return self.tree_set.trees[idx].tree
@@ -55,22 +58,24 @@ class EntMTPPolicy:
 class AdaptiveEMAPolicy:
     """Per request (at batch 1 identical to SGLang's per-batch rule); chains only, as in SGLang."""
 
-    def __init__(self, max_depth: int, batch_size: int = 1):
+    def __init__(self, max_depth: int, batch_size: int = 1, initial_steps: int = 3):
         bucket = max(b for b in SGLANG_ADAPTIVE if b <= max(1, batch_size))
         cfg = SGLANG_ADAPTIVE[bucket]
         self.candidates = sorted({min(s, max_depth) for s in cfg["candidate_steps"]})
         self.down, self.up = cfg["down_hysteresis"], cfg["up_hysteresis"]
+        self.initial_steps = initial_steps
         self.state: dict[int, dict] = {}
         self.name = "adaptive-ema"
 
     def _fresh(self) -> dict:
-        steps = self.candidates[len(self.candidates) // 2]
+        c = self.candidates
+        steps = self.initial_steps if self.initial_steps in c else c[len(c) // 2]
         return {"steps": steps, "ema": float(steps - 1), "count": 0, "seen": 0}
 
     def __call__(self, view: StepView) -> Tree:
-        if not view.history or view.index not in self.state:
-            self.state[view.index] = self._fresh()
-        st = self.state[view.index]
+        st = self.state.setdefault(view.index, self._fresh())
+        if len(view.history) < st["seen"]:  # a new segment of the same stream: keep the EMA
+            st["seen"] = 0
         for rec in view.history[st["seen"]:]:
             self._update(st, rec.accepted)
         st["seen"] = len(view.history)
@@ -120,3 +125,17 @@ class OraclePolicy:
         best = max(self.tree_set.trees,
                    key=lambda t: (accepted_on(t.tree, r) + 1) / t.cost(view.batch_size))
         return best.tree
+
+
+class Eagle2Policy:
+    """EAGLE-2 style: draft a wide tree, keep the `keep` nodes with the best cumulative draft
+    confidence (the engine prunes after drafting, before verification)."""
+
+    def __init__(self, wide: Tree, keep: int):
+        from ..engine.engine import DynamicTree
+
+        self.tree = DynamicTree(wide, keep)
+        self.name = f"eagle2[{wide.num_nodes}->{keep}]"
+
+    def __call__(self, view: StepView):
+        return self.tree

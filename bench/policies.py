@@ -1,0 +1,196 @@
+"""Quick policy benchmark on the bundled model: greedy, batch 1, the same prompts for every policy.
+
+    .venv/bin/python bench/policies.py            # a few minutes; writes bench/results/policies.{jsonl,md}
+
+Policies: the drafter's default static tree (built the Medusa/Hydra way from per-head top-k accuracies
+on the calibration mix), static-best (the best single tree, chosen in hindsight per task), SGLang's
+adaptive EMA rule, EntMTP, and the oracle (the best tree of the set at every step, in hindsight).
+Tokens/s are measured side by side: all policies interleaved in each repeat; the median over repeats
+is reported. The mixed stream runs prose, JSON and code segments through one policy state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from entmtp_sglang.calibrate import (CalibrationConfig, PositionRecord, load_records, measure_cost,
+                                     record_positions, simulate)
+from entmtp_sglang.engine.engine import Engine
+from entmtp_sglang.model.load import load_bundle
+from entmtp_sglang.policy.policies import AdaptiveEMAPolicy, EntMTPPolicy, OraclePolicy, StaticPolicy
+from entmtp_sglang.tasks import load_prompts
+from entmtp_sglang.tree import Tree
+from entmtp_sglang.tree.construct import accepted_on, independent_tree
+from entmtp_sglang.tree.treeset import TreeEntry, load_tree_set
+
+ROOT = Path(__file__).resolve().parent.parent
+TASKS = ("code", "math", "chat", "prose", "json", "mixed")
+MIXED_PARTS = ("prose", "json", "code")
+
+
+def head_accuracy(records: list[PositionRecord], max_rank: int) -> list[list[float]]:
+    depth = len(records[0].ranks)
+    acc = [[0.0] * max_rank for _ in range(depth)]
+    for r in records:
+        for d, rank in enumerate(r.ranks):
+            if rank < max_rank:
+                acc[d][rank] += 1 / len(records)
+    return acc
+
+
+def task_items(task: str, n: int) -> list[list[dict]]:
+    """Streams of prompts: one prompt per stream, or (mixed) prose -> JSON -> code segments."""
+    if task == "mixed":
+        parts = [load_prompts(t, "test", n) for t in MIXED_PARTS]
+        return [[p[i] for p in parts] for i in range(n)]
+    return [[it] for it in load_prompts(task, "test", n)]
+
+
+def run_policy(engine: Engine, streams: list[list[list[int]]], make_policy, max_new: int):
+    tokens, steps, accepted, seconds = 0, 0, 0, 0.0
+    chosen: dict[str, int] = {}
+    for k, segs in enumerate(streams):
+        policy = make_policy(k)
+        for seg in segs:
+            t0 = time.perf_counter()
+            r = engine.generate([seg], max_new, policy)[0]
+            seconds += time.perf_counter() - t0
+            tokens += len(r.output_ids)
+            steps += len(r.steps)
+            accepted += sum(s.accepted for s in r.steps)
+            for s in r.steps:
+                chosen[s.tree] = chosen.get(s.tree, 0) + 1
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+            "mean_accepted": accepted / max(1, steps), "trees_chosen": chosen}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafters", nargs="+", default=["medusa", "hydra"])
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS))
+    ap.add_argument("--prompts", type=int, default=4, help="test prompts (streams) per task")
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policies")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    rows = []
+    for drafter in args.drafters:
+        bundle = load_bundle(drafter=drafter)
+        engine = Engine(bundle.target, drafter, bundle.drafter, bundle.eos_token_id)
+        tok = bundle.tokenizer
+        depth = min(5, bundle.drafter.max_depth)
+        # the default static tree: Medusa/Hydra construction from per-head top-k accuracy on the mix
+        mix = [r for t in ("code", "math", "chat", "prose", "json")
+               for r in load_records(ROOT / "trees" / f"entmtp-tiny-{drafter}-{t}.records.jsonl")]
+        acc = head_accuracy(mix, 6)
+        calib_prompts = [tok.encode(it["prompt"]).ids[-300:] for it in load_prompts("code", "calib", 4)]
+        cands = [independent_tree(acc, n, name=f"default:n{n}") for n in (4, 8, 16, 32)]
+        costs = [measure_cost(bundle, t, calib_prompts, 1) for t in cands]
+        values = [sum(accepted_on(t, r.ranks) + 1 for r in mix) / len(mix) / c for t, c in zip(cands, costs)]
+        default = cands[max(range(len(cands)), key=lambda i: values[i])]
+        print(f"[{drafter}] default static tree {default.name}: {default.parents}", flush=True)
+        for task in args.tasks:
+            ts = load_tree_set(ROOT / "trees" / f"entmtp-tiny-{drafter}-{task}.json", drafter=drafter)
+            streams = [[tok.encode(it["prompt"]).ids[-(512 - args.max_new_tokens - 8):] for it in segs]
+                       for segs in task_items(task, args.prompts)]
+            flat = [seg for segs in streams for seg in segs]
+            cfg = CalibrationConfig(drafter, task, len(flat), args.max_new_tokens, max_depth=depth)
+            recs = record_positions(bundle, flat, cfg)  # hindsight data for static-best and the oracle
+            by_prompt: dict[int, list[list[int]]] = {}
+            for r in recs:
+                by_prompt.setdefault(r.prompt, []).append(list(r.ranks))
+            pool = [e.tree for e in ts.trees] + [default] + [Tree.chain(d) for d in range(1, depth + 1)]
+            entries = [TreeEntry(t, (0.0,), {1: measure_cost(bundle, t, calib_prompts, 1)}) for t in pool]
+            sims = [simulate(recs, lambda rec, hist, e=e: e) for e in entries]
+            best = max(range(len(pool)), key=lambda i: sims[i][0] / sims[i][2])
+            static_best = pool[best]
+            seg_index = {}
+            for k, segs in enumerate(streams):
+                for j, _ in enumerate(segs):
+                    seg_index[(k, j)] = len(seg_index)
+
+            def oracle(k):
+                # the oracle for stream k: ranks of each segment, consumed in order
+                class StreamOracle:
+                    name = "oracle"
+
+                    def __init__(self):
+                        self.seg = -1
+
+                    def __call__(self, view):
+                        if not view.history:
+                            self.seg += 1
+                            self.inner = OraclePolicy(ts, [by_prompt[seg_index[(k, self.seg)]]],
+                                                      [len(streams[k][self.seg])])
+                        return self.inner(view.__class__(0, view.draft_entropy, view.history,
+                                                         view.batch_size, view.position))
+                return StreamOracle()
+
+            policies = {
+                "default-static": lambda k: StaticPolicy(default),
+                "static-best": lambda k: StaticPolicy(static_best),
+                "adaptive-ema": lambda k: AdaptiveEMAPolicy(depth, 1),
+                "entmtp": lambda k: EntMTPPolicy(ts),
+                "oracle": oracle,
+            }
+            runs: dict[str, list[dict]] = {name: [] for name in policies}
+            for rep in range(args.repeats):
+                for name, make in policies.items():
+                    runs[name].append(run_policy(engine, streams, make, args.max_new_tokens))
+            for name, rs in runs.items():
+                row = {
+                    "drafter": drafter, "task": task, "policy": name, "batch": 1,
+                    "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                    "mean_accepted": statistics.median(r["mean_accepted"] for r in rs),
+                    "repeats": [round(r["tokens_per_s"], 2) for r in rs],
+                    "trees_chosen": rs[-1]["trees_chosen"], "static_best_tree": static_best.name,
+                    "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "commit": commit,
+                    "machine": f"{torch.get_num_threads()} threads",
+                }
+                rows.append(row)
+                print(f"{drafter:7s} {task:6s} {name:15s} {row['tokens_per_s']:7.1f} tok/s  "
+                      f"accepted {row['mean_accepted']:.2f}", flush=True)
+    with open(args.out.with_suffix(".jsonl"), "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+    table = markdown(rows)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+    return 0
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| drafter | task | default static | static-best | adaptive-EMA | EntMTP | oracle | "
+             "EntMTP / default | EntMTP / static-best | EntMTP / adaptive | headroom captured |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["drafter"], r["task"]) for r in rows}, key=lambda k: (k[0], TASKS.index(k[1])))
+    for d, t in keys:
+        by = {r["policy"]: r for r in rows if r["drafter"] == d and r["task"] == t}
+        v = {k: by[k]["tokens_per_s"] for k in by}
+        cell = lambda k: f"{v[k]:.1f} ({by[k]['mean_accepted']:.2f})"  # noqa: E731
+        head = v["oracle"] - v["static-best"]
+        captured = (v["entmtp"] - v["static-best"]) / head if head > 0 else float("nan")
+        lines.append(f"| {d} | {t} | {cell('default-static')} | {cell('static-best')} | {cell('adaptive-ema')} | "
+                     f"{cell('entmtp')} | {cell('oracle')} | {v['entmtp'] / v['default-static']:.2f}x | "
+                     f"{v['entmtp'] / v['static-best']:.2f}x | {v['entmtp'] / v['adaptive-ema']:.2f}x | "
+                     f"{captured:.0%} |")
+    lines.append("")
+    lines.append("Cells: tokens/s (mean accepted drafts per step); median over repeats, batch 1, greedy.")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,142 @@
+"""Constrained generation through xgrammar: JSON Schema, JSON object mode, regex and EBNF.
+
+A `GrammarSpec` is compiled once per request (errors name the problem before generation starts). A
+`RequestGrammar` holds one request's matcher, which has accepted every emitted token, and answers:
+
+* `root_mask()`                 - legal next tokens now (for prefill and plain decoding);
+* `tree_masks(tree, tokens)`    - legal tokens after every node of a draft tree (verification);
+* `path_mask(path_tokens)`      - legal tokens after a path below the root (grammar-aware drafting);
+* `advance(tokens)`             - accept emitted tokens; False on a dead end.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from .tree import Tree, build_buffers
+
+# xgrammar's compact layout: one space after ',' and ':' and no newlines (see training.json_docs)
+COMPACT_SEPARATORS = (", ", ": ")
+
+
+class GrammarError(ValueError):
+    """A schema, regex or grammar that cannot be compiled; the message names the problem."""
+
+
+@dataclass(frozen=True)
+class GrammarSpec:
+    kind: str  # json_schema | json | regex | ebnf
+    source: str = ""
+    compact: bool = True  # JSON: fixed compact layout instead of any whitespace
+
+    def __post_init__(self):
+        if self.kind not in ("json_schema", "json", "regex", "ebnf"):
+            raise GrammarError(f"unknown grammar kind {self.kind!r}; use json_schema, json, regex or ebnf")
+        if self.kind != "json" and not self.source.strip():
+            raise GrammarError(f"empty {self.kind}")
+
+
+@lru_cache(maxsize=4)
+def _compiler(tokenizer_path: str, vocab_size: int):
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_path)
+    info = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size)
+    return xgr.GrammarCompiler(info, max_threads=1)
+
+
+def compile_grammar(spec: GrammarSpec, tokenizer_path: str, vocab_size: int):
+    comp = _compiler(str(tokenizer_path), vocab_size)
+    ws = dict(any_whitespace=not spec.compact, separators=COMPACT_SEPARATORS if spec.compact else None)
+    try:
+        if spec.kind == "json_schema":
+            try:
+                schema = json.loads(spec.source)
+            except json.JSONDecodeError as e:
+                raise GrammarError(f"the JSON schema is not valid JSON: {e}") from None
+            if not isinstance(schema, (dict, bool)):
+                raise GrammarError("a JSON schema must be an object or a boolean")
+            return comp.compile_json_schema(json.dumps(schema), strict_mode=True, **ws)
+        if spec.kind == "json":
+            return comp.compile_builtin_json_grammar()
+        if spec.kind == "regex":
+            return comp.compile_regex(spec.source)
+        return comp.compile_grammar(spec.source)
+    except RuntimeError as e:
+        msg = str(e).strip().splitlines()[-1] if str(e).strip() else repr(e)
+        msg = re.sub(r"^\[[^\]]*\]\s*", "", msg)  # xgrammar's [time] prefix
+        msg = re.sub(r"^\S+\.cc:\d+:\s*", "", msg)  # and its source location
+        raise GrammarError(f"cannot compile the {spec.kind.replace('_', ' ')}: {msg}") from None
+
+
+def _bool_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Unpack xgrammar's int32 bitmask (rows, ceil(V/32)) to bool (rows, V)."""
+    bits = torch.arange(32, dtype=torch.int32)
+    unpacked = ((bitmask.unsqueeze(-1) >> bits) & 1).bool()  # (rows, words, 32)
+    return unpacked.flatten(1)[:, :vocab_size]
+
+
+class RequestGrammar:
+    def __init__(self, compiled, vocab_size: int, max_rollback: int = 64):
+        import xgrammar as xgr
+
+        self.xgr = xgr
+        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback)
+        self.vocab_size = vocab_size
+        self.dead_end = False
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    def root_mask(self) -> torch.Tensor:
+        if self.matcher.is_terminated():  # nothing may follow the stop token
+            return torch.zeros(self.vocab_size, dtype=torch.bool)
+        bm = self.xgr.allocate_token_bitmask(1, self.vocab_size)
+        self.matcher.fill_next_token_bitmask(bm)
+        return _bool_mask(bm, self.vocab_size)[0]
+
+    def tree_masks(self, tree: Tree, tokens: list[int]) -> torch.Tensor:
+        """(N, V) legal tokens after each node (node 0 = now); nodes the grammar rejects get no legal
+        tokens."""
+        buf = _tree_layout(tree)
+        bm = self.xgr.allocate_token_bitmask(tree.num_nodes, self.vocab_size)
+        bm.zero_()
+        self.matcher.traverse_draft_tree(buf[0], buf[1], torch.tensor(tokens, dtype=torch.int64), bm)
+        return _bool_mask(bm, self.vocab_size)
+
+    def path_mask(self, path: list[int]) -> torch.Tensor:
+        """Legal tokens after accepting `path` (tokens below the root); all False if the path is illegal."""
+        accepted = 0
+        for t in path:
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(t)):
+                break
+            accepted += 1
+        if accepted < len(path):
+            mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        else:
+            mask = self.root_mask()
+        if accepted:
+            self.matcher.rollback(accepted)
+        return mask
+
+    def advance(self, tokens: list[int]) -> bool:
+        for t in tokens:
+            if self.matcher.is_terminated():
+                return True  # tokens after the stop token are cut by the engine
+            if not self.matcher.accept_token(int(t)):
+                self.dead_end = True
+                return False
+        return True
+
+
+@lru_cache(maxsize=256)
+def _tree_layout(tree: Tree):
+    b = build_buffers(tree)
+    return b.retrieve_next_token, b.retrieve_next_sibling

@@ -1,0 +1,68 @@
+"""The command line (errors name the problem, --help explains) and what an installed wheel carries."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from entmtp_sglang.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_help_explains_every_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["generate", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--prompt", "--drafter", "--tree", "--max-new-tokens", "--temperature", "--top-p",
+                 "--top-k", "--seed", "--model", "--no-speculation"):
+        assert flag in text
+    assert "chain:N" in text and "parent array" in text
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tree", "-1,0,2,1"], "node 2 has parent 2"),
+    (["--tree", "-1,1"], "node 1 has parent 1"),
+    (["--tree", "0,0"], "node 0 is the root"),
+    (["--tree", "chain:x"], "bad chain spec"),
+    (["--tree", "chain:6"], "depth 6, beyond the 5 draft positions"),
+    (["--max-new-tokens", "600"], "exceeds the model context of 512"),
+    (["--temperature", "-1"], "temperature must be >= 0"),
+])
+def test_bad_input_gets_a_clear_error(capsys, argv, message):
+    code = main(["generate", "--prompt", "def f(x):", "--drafter", "hydra"] + argv)
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_empty_prompt_is_refused(capsys):
+    assert main(["generate", "--prompt", ""]) == 2
+    assert "empty prompt" in capsys.readouterr().err
+
+
+def test_generate_prints_text_and_stats(capsys):
+    assert main(["generate", "--prompt", '{"name": ', "--drafter", "medusa", "--tree", "-1,0,0,1",
+                 "--max-new-tokens", "12"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith('{"name": ')
+    assert "tokens/s=" in out and "mean_accepted=" in out and "tokens_per_target_pass=" in out
+
+
+def test_wheel_carries_kernels_trees_model_and_shadows_nothing(tmp_path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                    "-w", str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    wheel = next(tmp_path.glob("entmtp_sglang-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {n.split("/")[0] for n in names}
+    assert tops <= {"entmtp_sglang", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
+    assert "kernels" not in tops and "trees" not in tops
+    assert "entmtp_sglang/kernels/__init__.py" in names
+    assert any(n.startswith("entmtp_sglang/trees/") and n.endswith(".json") for n in names)
+    assert "entmtp_sglang/models/entmtp-tiny/model.safetensors" in names
+    assert "entmtp_sglang/models/entmtp-tiny/eagle/model.safetensors" in names
+    assert "entmtp_sglang/data/prompts/code.jsonl" in names

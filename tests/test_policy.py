@@ -1,0 +1,164 @@
+"""Tree sets, tree construction, the Pareto frontier, the selector and the baseline policies."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from entmtp_sglang.engine.engine import StepRecord, StepView
+from entmtp_sglang.policy.policies import AdaptiveEMAPolicy, EntMTPPolicy, StaticPolicy
+from entmtp_sglang.policy.selector import select_tree
+from entmtp_sglang.policy.signals import recent_target_entropies, signal_value
+from entmtp_sglang.tree import Tree
+from entmtp_sglang.tree.construct import (accepted_on, expected_accepted, greedy_tree, independent_tree,
+                                          pareto_front)
+from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, TreeSetError, from_json, load_tree_set
+
+
+def _set(costs=(0.01, 0.012, 0.02), acc=((0.0, 0.0), (0.9, 0.2), (2.5, 0.3))):
+    """Three chains; at batch 32 the step cost grows with the number of nodes."""
+    trees = (Tree.chain(0), Tree.chain(1), Tree.chain(4))
+    entries = tuple(TreeEntry(t, a, {1: c, 8: c * 2, 32: 0.03 * t.num_nodes ** 1.5})
+                    for t, a, c in zip(trees, acc, costs))
+    return TreeSet("entmtp-tiny", "medusa", "code", "draft_entropy", (1.0,), entries)
+
+
+#      0
+#     / \        ranks:  node 1 = rank 0, node 2 = rank 1 (children of the root)
+#    1   2               node 3 = rank 0 under node 1
+#    |
+#    3
+def test_accepted_on_hand_tree():
+    t = Tree((-1, 0, 0, 1))
+    assert accepted_on(t, (0, 0, 3)) == 2  # root -> 1 -> 3
+    assert accepted_on(t, (1, 0)) == 1  # root -> 2, which has no child
+    assert accepted_on(t, (2, 0)) == 0
+    assert accepted_on(t, (0, 1)) == 1
+    assert expected_accepted(t, [(0, 0), (1, 0), (2, 0), (0, 1)]) == (2 + 1 + 0 + 1) / 4
+
+
+records_st = st.lists(st.lists(st.integers(0, 4), min_size=4, max_size=4), min_size=1, max_size=60)
+
+
+@settings(max_examples=80, deadline=None)
+@given(records_st, st.integers(1, 16))
+def test_greedy_tree_is_valid_and_beats_chains_of_its_size(records, n):
+    t = greedy_tree(records, n, max_depth=4, max_rank=4)
+    assert t.num_nodes <= n and t.max_depth <= 4
+    assert max(t.sibling_rank) < 4
+    chain = Tree.chain(min(n - 1, 4))
+    assert expected_accepted(t, records) >= expected_accepted(chain, records) - 1e-9
+
+
+@settings(max_examples=80, deadline=None)
+@given(records_st)
+def test_greedy_tree_grows_monotonically(records):
+    values = [expected_accepted(greedy_tree(records, n, 4, 4), records) for n in range(1, 12)]
+    assert all(b >= a - 1e-9 for a, b in zip(values, values[1:]))
+
+
+def test_independent_tree_prefers_likely_ranks():
+    acc = [[0.8, 0.1], [0.6, 0.2], [0.5, 0.1]]
+    t = independent_tree(acc, 4)
+    assert t.parents == (-1, 0, 1, 2)  # chain: 0.8, 0.48, 0.24 beat 0.1
+    t = independent_tree([[0.5, 0.45], [0.1, 0.05]], 3)
+    assert t.parents == (-1, 0, 0)
+
+
+points_st = st.lists(st.tuples(st.floats(0.1, 10), st.floats(0, 10)), min_size=1, max_size=30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(points_st)
+def test_pareto_members_are_not_dominated_and_others_are(points):
+    front = set(pareto_front(points))
+    assert front
+    for i, (c, v) in enumerate(points):
+        dominated = any(c2 <= c and v2 >= v and (c2 < c or v2 > v) for c2, v2 in points)
+        assert (i in front) == (not dominated)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(-1, 10), st.sampled_from([1, 2, 8, 32, 64]), st.one_of(st.none(), st.integers(0, 2)),
+       st.floats(0, 0.5), st.one_of(st.none(), st.integers(1, 6)))
+def test_selector_returns_a_tree_of_the_set_within_budget(entropy, batch, current, hyst, budget):
+    ts = _set()
+    i = select_tree(ts, entropy, batch, current, hyst, max_nodes=budget)
+    assert 0 <= i < len(ts.trees)
+    if budget is not None:
+        assert ts.trees[i].tree.num_nodes <= max(budget, 1)
+
+
+def test_selector_goes_deep_when_predictable_and_shallow_at_large_batch():
+    ts = _set()
+    assert ts.trees[select_tree(ts, 0.2, 1)].tree.name == "chain:4"  # low entropy: deep
+    assert ts.trees[select_tree(ts, 3.0, 1)].tree.name == "chain:0"  # high entropy: no speculation
+    assert ts.trees[select_tree(ts, 0.2, 32)].tree.name == "chain:0"  # batch 32: too costly
+    # hysteresis keeps the current tree when the best is only slightly better
+    near = _set(acc=((0.0, 0.0), (0.9, 0.2), (2.5, 0.3)), costs=(0.01, 0.012, 0.0217))
+    assert select_tree(near, 0.2, 1, current=1, hysteresis=0.05) == 1
+    assert select_tree(near, 0.2, 1, current=1, hysteresis=0.0) == 2
+
+
+def test_tree_set_round_trip_and_validation(tmp_path):
+    ts = _set()
+    path = tmp_path / "set.json"
+    ts.save(path)
+    again = load_tree_set(path, model="entmtp-tiny", drafter="medusa", max_depth=5)
+    assert [t.tree.parents for t in again.trees] == [t.tree.parents for t in ts.trees]
+    data = json.loads(path.read_text())
+    bad = json.loads(json.dumps(data))
+    bad["trees"][2]["parents"] = [-1, 0, 3, 1]
+    with pytest.raises(TreeSetError, match=r"trees\[2\]\.parents: node 2 has parent 3"):
+        from_json(bad)
+    bad = json.loads(json.dumps(data))
+    bad["trees"][1]["expected_accepted"] = [0.5]
+    with pytest.raises(TreeSetError, match=r"trees\[1\].*1 values for 2 entropy bins"):
+        from_json(bad)
+    bad = json.loads(json.dumps(data))
+    del bad["signal"]
+    with pytest.raises(TreeSetError, match="missing field 'signal'"):
+        from_json(bad)
+    with pytest.raises(TreeSetError, match="calibrated for model 'entmtp-tiny', not 'other'"):
+        load_tree_set(path, model="other")
+    with pytest.raises(TreeSetError, match="depth 4, beyond the drafter's 3"):
+        load_tree_set(path, max_depth=3)
+    (tmp_path / "broken.json").write_text("{not json")
+    with pytest.raises(TreeSetError, match="not valid JSON"):
+        load_tree_set(tmp_path / "broken.json")
+
+
+def _view(index=0, draft_entropy=1.0, accepted=(), entropies=()):
+    hist = tuple(StepRecord("t", 2, a, [e], 0.0, 0.01) for a, e in zip(accepted, entropies))
+    return StepView(index, draft_entropy, hist, 1, 10 + len(hist))
+
+
+def test_signals():
+    hist = _view(accepted=(0, 1, 2), entropies=(3.0, 2.0, 1.0)).history
+    assert recent_target_entropies(hist, 2) == [2.0, 1.0]
+    assert signal_value("target_window", 9.0, hist, window=2) == 1.5
+    assert signal_value("draft_entropy", 9.0, hist) == 9.0
+    assert signal_value("target_window", 9.0, (), window=2) == 9.0  # no history yet: the draft signal
+    with pytest.raises(ValueError, match="unknown entropy signal"):
+        signal_value("nope", 1.0, hist)
+
+
+def test_adaptive_ema_follows_sglang_rule():
+    pol = AdaptiveEMAPolicy(max_depth=7, batch_size=1)
+    assert pol(_view()).name == "chain:3"  # starts at the middle candidate of [1, 3, 5, 7]
+    # all drafts accepted for a while: after warm-up (10) + interval (5) it steps up
+    acc = (3,) * 15
+    assert pol(_view(accepted=acc, entropies=(0.1,) * 15)).name == "chain:5"
+    pol = AdaptiveEMAPolicy(max_depth=7, batch_size=1)
+    assert pol(_view(accepted=(0,) * 15, entropies=(3.0,) * 15)).name == "chain:1"
+    assert AdaptiveEMAPolicy(max_depth=5, batch_size=32)(_view()).name in ("chain:0", "chain:1")
+
+
+def test_entmtp_policy_picks_by_entropy():
+    pol = EntMTPPolicy(_set(), hysteresis=0.0)
+    assert pol(_view(draft_entropy=0.1)).name == "chain:4"
+    assert pol(_view(draft_entropy=5.0)).name == "chain:0"
+    assert StaticPolicy(Tree.chain(2))(_view()).name == "chain:2"
