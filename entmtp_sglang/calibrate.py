@@ -85,14 +85,20 @@ def _ranks(logits: torch.Tensor, true: torch.Tensor, max_rank: int) -> torch.Ten
     return torch.where(valid, rank.clamp(max=max_rank), torch.full_like(rank, max_rank))
 
 
-def record_positions(bundle: Bundle, prompts: list[list[int]], cfg: CalibrationConfig, progress=None
-                     ) -> list[PositionRecord]:
+def record_positions(bundle: Bundle, prompts: list[list[int]], cfg: CalibrationConfig, progress=None,
+                     make_grammars=None) -> list[PositionRecord]:
+    """`make_grammars(indices)`, if given, returns fresh `RequestGrammar`s (or None) for those prompts:
+    decoding is then constrained and ranks and entropies are taken after the grammar mask."""
     engine = Engine(bundle.target, bundle.drafter_kind, bundle.drafter, bundle.eos_token_id)
     out: list[PositionRecord] = []
     plain = Tree.chain(0)
     for start in range(0, len(prompts), cfg.batch_size):
         batch = prompts[start:start + cfg.batch_size]
-        outputs = [r.output_ids for r in engine.generate(batch, cfg.max_new_tokens, static_chooser(plain))]
+        idx = list(range(start, start + len(batch)))
+        grammars = make_grammars(idx) if make_grammars else None
+        outputs = [r.output_ids for r in engine.generate(batch, cfg.max_new_tokens, static_chooser(plain),
+                                                         grammars=grammars)]
+        grammars = make_grammars(idx) if make_grammars else [None] * len(batch)
         rows: dict[tuple[int, int], tuple[float, tuple[int, ...]]] = {}
         plens = [len(p) for p in batch]
 
@@ -104,13 +110,19 @@ def record_positions(bundle: Bundle, prompts: list[list[int]], cfg: CalibrationC
                 cont = outputs[i][g + 1:g + 1 + k]
                 true[i, :len(cont)] = torch.tensor(cont, dtype=torch.int64)
             logits = drafting.path_logits(state, true)
+            for i, g in enumerate(grammars):
+                if g is not None and active[i]:  # rank among the tokens the grammar allows
+                    for d in range(k):
+                        prefix = [t for t in true[i, :d].tolist() if t >= 0]
+                        logits[d][i] = logits[d][i].masked_fill(~g.path_mask(prefix), float("-inf"))
             ranks = torch.stack([_ranks(logits[d], true[:, d], cfg.max_rank) for d in range(k)], 1)
-            ent = entropy_nats(state.root_logits)
+            ent = entropy_nats(logits[0])
             for i in range(len(batch)):
                 if active[i]:
                     rows[(i, int(lens[i]) - plens[i])] = (float(ent[i]), tuple(ranks[i].tolist()))
 
-        results = engine.generate(batch, cfg.max_new_tokens, static_chooser(plain), observer=observer)
+        results = engine.generate(batch, cfg.max_new_tokens, static_chooser(plain), observer=observer,
+                                  grammars=grammars)
         for i, r in enumerate(results):
             assert r.output_ids == outputs[i], "greedy decoding is not deterministic"
             for s, step in enumerate(r.steps):

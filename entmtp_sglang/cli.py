@@ -111,6 +111,9 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--prompts", type=int, default=24, help="calibration prompts to decode (default: 24)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default: 96)")
     p.add_argument("--bins", type=int, default=4, help="entropy bins (default: 4)")
+    p.add_argument("--grammar", action="store_true",
+                   help="json task only: decode under each prompt's JSON schema (xgrammar) and calibrate on "
+                        "grammar-masked entropy and ranks; writes ...-json-grammar.json")
     p.add_argument("--out", type=Path, default=None,
                    help="output JSON (default: trees/<model>-<drafter>-<task>.json in the repository)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
@@ -143,10 +146,19 @@ def _calibrate(args) -> int:
             items = load_prompts(task, "calib", args.prompts)
         room = bundle.target.shape.max_position_embeddings - args.max_new_tokens - 40
         prompts = [bundle.tokenizer.encode(it["prompt"]).ids[-room:] for it in items]
-        with tqdm(total=len(prompts), desc=f"calibrate {args.drafter}/{task}", unit="prompt") as bar:
-            records = record_positions(bundle, prompts, cfg, bar)
+        make_grammars = None
+        if args.grammar:
+            if task != "json":
+                print("error: --grammar applies to the json task only", file=sys.stderr)
+                return 2
+            items, make_grammars = _schema_grammars(items, bundle)
+            prompts = [bundle.tokenizer.encode(it["prompt"]).ids[-room:] for it in items]
+            cfg = CalibrationConfig(args.drafter, "json-grammar", len(prompts), args.max_new_tokens,
+                                    num_bins=args.bins)
+        with tqdm(total=len(prompts), desc=f"calibrate {args.drafter}/{cfg.task}", unit="prompt") as bar:
+            records = record_positions(bundle, prompts, cfg, bar, make_grammars)
         ts, points = build_tree_set(bundle, records, prompts, cfg, log=tqdm.write)
-        out = args.out or Path("trees") / f"{ts.model}-{args.drafter}-{task}.json"
+        out = args.out or Path("trees") / f"{ts.model}-{args.drafter}-{cfg.task}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         ts.save(out)
         plot_pareto(points, ts, out.with_suffix(".png"))
@@ -154,6 +166,25 @@ def _calibrate(args) -> int:
         print(f"wrote {out} ({len(ts.trees)} trees, signal {ts.signal}, bins "
               f"{[round(e, 3) for e in ts.bin_edges]}) and {out.with_suffix('.png')}", flush=True)
     return 0
+
+
+def _schema_grammars(items: list[dict], bundle):
+    """Keep the prompts whose schema xgrammar compiles; return them and a grammar factory."""
+    import json
+
+    from .grammar import GrammarError, GrammarSpec, RequestGrammar, compile_grammar
+    from .tasks import load_schema
+
+    vocab = bundle.target.shape.vocab_size
+    kept, compiled = [], []
+    for it in items:
+        try:
+            compiled.append(compile_grammar(GrammarSpec("json_schema", json.dumps(load_schema(it))),
+                                            str(bundle.path), vocab))
+            kept.append(it)
+        except GrammarError:
+            continue
+    return kept, lambda idx: [RequestGrammar(compiled[i], vocab) for i in idx]
 
 
 def _grammars(args, bundle, n: int):

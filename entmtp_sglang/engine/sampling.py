@@ -46,7 +46,12 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
 
 
 def entropy_nats(logits: torch.Tensor) -> torch.Tensor:
-    """(..., V) logits -> (...) entropy of softmax(logits) in nats (masked -inf entries allowed)."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    p = logp.exp()
-    return -(p * torch.where(p > 0, logp, torch.zeros_like(logp))).sum(-1)
+    """(..., V) logits -> (...) entropy of softmax(logits) in nats (masked -inf entries allowed).
+
+    Runs the fused Triton kernel on CUDA and its torch reference elsewhere (`entmtp_sglang.kernels`)."""
+    from ..kernels import softmax_entropy
+
+    if logits.dim() == 1:
+        return softmax_entropy(logits.float().unsqueeze(0))[0]
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return softmax_entropy(flat).reshape(logits.shape[:-1])
