@@ -68,8 +68,8 @@ def entropy_report(bundle, prompt: list[int], output: list[int], compiled) -> tu
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafters", nargs="+", default=["hydra", "medusa"])
-    ap.add_argument("--schemas", type=int, default=8)
+    ap.add_argument("--drafters", nargs="+", default=["hydra"])
+    ap.add_argument("--schemas", type=int, default=6)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "json_grammar")
