@@ -11,10 +11,11 @@ GENERATE_EPILOG = """\
 trees:
   chain:N          a chain of N drafted tokens after the root (chain:0 = plain decoding)
   -1,0,0,1         a parent array: node 0 is the root, each later node names its parent
+                   (write --tree=-1,0,0,1: argparse reads a value starting with '-' as a flag)
   FILE.json        a tree-set file (trees/*.json); --tree-id picks one tree, default: EntMTP policy
 examples:
   entmtp generate --prompt 'def fibonacci(n):' --drafter medusa --tree chain:4
-  entmtp generate --prompt 'User: Tell me a story.\\nAssistant: ' --drafter eagle --tree -1,0,0,1,1,2
+  entmtp generate --prompt 'User: Tell me a story.\\nAssistant: ' --drafter eagle --tree=-1,0,0,1,1,2
 """
 
 

@@ -25,8 +25,9 @@ def test_help_explains_every_option(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tree", "-1,0,2,1"], "node 2 has parent 2"),
-    (["--tree", "-1,1"], "node 1 has parent 1"),
+    (["--tree=-1,0,2,1"], "node 2 is its own parent (a cycle)"),
+    (["--tree=-1,1"], "node 1 is its own parent (a cycle)"),
+    (["--tree=-1,2,0"], "node 1 has parent 2, which comes after it"),
     (["--tree", "0,0"], "node 0 is the root"),
     (["--tree", "chain:x"], "bad chain spec"),
     (["--tree", "chain:6"], "depth 6, beyond the 5 draft positions"),
@@ -46,7 +47,7 @@ def test_empty_prompt_is_refused(capsys):
 
 
 def test_generate_prints_text_and_stats(capsys):
-    assert main(["generate", "--prompt", '{"name": ', "--drafter", "medusa", "--tree", "-1,0,0,1",
+    assert main(["generate", "--prompt", '{"name": ', "--drafter", "medusa", "--tree=-1,0,0,1",
                  "--max-new-tokens", "12"]) == 0
     out = capsys.readouterr().out
     assert out.startswith('{"name": ')
