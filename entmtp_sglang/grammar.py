@@ -83,11 +83,11 @@ def _bool_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
 
 
 class RequestGrammar:
-    def __init__(self, compiled, vocab_size: int, max_rollback: int = 64):
+    def __init__(self, compiled, vocab_size: int):
         import xgrammar as xgr
 
         self.xgr = xgr
-        self.matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback)
+        self.matcher = xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2.7
         self.vocab_size = vocab_size
         self.dead_end = False
 
