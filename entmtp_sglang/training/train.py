@@ -261,7 +261,10 @@ def save_model(out: Path, target, medusa, hydra, eagle) -> None:
         save_file(to_bf16_state(module), str(d / "model.safetensors"), metadata={"format": "pt"})
     d = out / "eagle"
     d.mkdir(exist_ok=True)
-    cfg = {**TARGET_CONFIG, "architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1}
+    # Untied: SGLang gives the draft the target's embedding and head (set_embed_and_head), which fails
+    # on a draft whose head is its embedding.
+    cfg = {**TARGET_CONFIG, "architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1,
+           "tie_word_embeddings": False}
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
     # SGLang's LlamaForCausalLMEagle checkpoints carry names without the "model." prefix
     save_file(to_bf16_state(eagle), str(d / "model.safetensors"), metadata={"format": "pt"})

@@ -1,0 +1,227 @@
+"""A pure-torch attention backend for SGLang that also does speculative decoding: `entmtp_torch`.
+
+SGLang's own CPU backends cannot run EAGLE-style speculation on a CPU without AMX (`torch_native` has no
+draft-decode or tree-verify path; `intel_amx` needs AMX kernels). This one serves every forward mode the
+EAGLE family uses, with one code path: for each query row it gathers the row's keys and values from the
+KV pool by explicit slot indices, builds a boolean visibility mask, and runs one batched
+`scaled_dot_product_attention`.
+
+* EXTEND / DRAFT_EXTEND: causal over `req_to_token[req, :seq_len]`, queries are the last
+  `extend_seq_len` positions.
+* DECODE: one query per request over `req_to_token[req, :seq_len]`.
+* TARGET_VERIFY: `draft_token_num` queries per request over the prefix and the draft tokens; the
+  draft-to-draft part of the mask is SGLang's tree mask (`spec_info.custom_mask`, QLEN_ONLY layout on
+  CPU: request b's block is `custom_mask[b*n*n:(b+1)*n*n].view(n, n)`), the prefix is always visible.
+* Draft decode (`MultiStepDraftBackend`, one child per draft step): `topk` rows per request. By default
+  a row sees the prefix and its own column of draft slots, as SGLang's EAGLE draft kernels do; a
+  worker that drafts a fixed tree (ENTMTP) attaches per-row ancestor slots instead (`set_draft_rows`),
+  so every drafted node attends exactly to its ancestors.
+
+Nothing here imports SGLang at module level except through `sglang_api`, which the plugin loads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+from .sglang_api import AttentionBackend, KVWriteLoc
+
+NAME = "entmtp_torch"
+
+
+class _Plan:
+    """Per-forward gather plan: query rows x keys, shared by every layer of one forward."""
+
+    __slots__ = ("kv_idx", "mask", "q_idx", "q_valid")
+
+    def __init__(self, kv_idx: torch.Tensor, mask: torch.Tensor, q_idx: torch.Tensor, q_valid: torch.Tensor):
+        self.kv_idx = kv_idx      # (R, L) int64 KV pool slots (padding: 0)
+        self.mask = mask          # (R, Q, L) bool: query q of row r may attend key l
+        self.q_idx = q_idx        # (R, Q) int64 index into the flat query tokens (padding: 0)
+        self.q_valid = q_valid    # (R, Q) bool
+
+
+def _ragged_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor):
+    """(R, L) slots req_to_token[req, :len] padded with 0, and (R, L) validity."""
+    L = int(lens.max()) if lens.numel() else 0
+    L = max(L, 1)
+    cols = torch.arange(L, device=lens.device)
+    valid = cols[None, :] < lens[:, None]
+    rows = req_to_token[req_pool_indices.long()][:, :L].long()
+    return torch.where(valid, rows, torch.zeros_like(rows)), valid
+
+
+def extend_plan(req_to_token, req_pool_indices, seq_lens, extend_lens) -> _Plan:
+    """Causal extend: request b has seq_lens[b] keys; its last extend_lens[b] positions are queries."""
+    seq_lens, extend_lens = seq_lens.long(), extend_lens.long()
+    kv_idx, kv_valid = _ragged_rows(req_to_token, req_pool_indices, seq_lens)
+    Q = max(int(extend_lens.max()), 1)
+    qi = torch.arange(Q, device=seq_lens.device)
+    q_valid = qi[None, :] < extend_lens[:, None]
+    starts = torch.cumsum(extend_lens, 0) - extend_lens
+    q_idx = torch.where(q_valid, starts[:, None] + qi[None, :], torch.zeros_like(qi)[None, :])
+    q_pos = (seq_lens - extend_lens)[:, None] + qi[None, :]                       # (R, Q) absolute
+    k_pos = torch.arange(kv_idx.shape[1], device=seq_lens.device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+    mask |= ~q_valid[:, :, None] & (k_pos == 0)[None, None, :]                   # padding rows: key 0
+    return _Plan(kv_idx, mask, q_idx, q_valid)
+
+
+def verify_plan(req_to_token, req_pool_indices, seq_lens, n: int, custom_mask: torch.Tensor | None) -> _Plan:
+    """Tree verify: n draft queries per request; prefix visible; drafts by the QLEN_ONLY tree mask."""
+    seq_lens = seq_lens.long()
+    bs = seq_lens.shape[0]
+    kv_idx, kv_valid = _ragged_rows(req_to_token, req_pool_indices, seq_lens + n)
+    L = kv_idx.shape[1]
+    dev = seq_lens.device
+    if custom_mask is None or custom_mask.numel() == 0:
+        tree = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)).expand(bs, n, n)
+    else:
+        tree = custom_mask[: bs * n * n].view(bs, n, n).bool()
+    k_pos = torch.arange(L, device=dev)
+    rel = k_pos[None, :] - seq_lens[:, None]                                     # (bs, L)
+    in_draft = (rel >= 0) & (rel < n)
+    draft_vis = torch.gather(tree, 2, rel.clamp(0, n - 1)[:, None, :].expand(bs, n, L))
+    mask = torch.where(in_draft[:, None, :], draft_vis, (rel < 0)[:, None, :]) & kv_valid[:, None, :]
+    q_idx = torch.arange(bs * n, device=dev).view(bs, n)
+    return _Plan(kv_idx, mask, q_idx, torch.ones(bs, n, dtype=torch.bool, device=dev))
+
+
+def rows_plan(prefix_idx: torch.Tensor, prefix_valid: torch.Tensor, extra_idx: torch.Tensor,
+              extra_valid: torch.Tensor) -> _Plan:
+    """One query per row over its prefix slots and extra (draft) slots."""
+    kv_idx = torch.cat([prefix_idx, extra_idx], 1)
+    valid = torch.cat([prefix_valid, extra_valid], 1)
+    R = kv_idx.shape[0]
+    q_idx = torch.arange(R, device=kv_idx.device)[:, None]
+    return _Plan(kv_idx, valid[:, None, :], q_idx, torch.ones(R, 1, dtype=torch.bool, device=kv_idx.device))
+
+
+def attend(plan: _Plan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, scaling: float,
+           out: torch.Tensor) -> torch.Tensor:
+    """q (T, H, D) flat queries -> out (T, H, Dv), following the plan."""
+    H = q.shape[1]
+    qq = q[plan.q_idx]                                     # (R, Q, H, D)
+    kk = k_buf[plan.kv_idx]                                # (R, L, Hkv, D)
+    vv = v_buf[plan.kv_idx]
+    if kk.dtype != qq.dtype:
+        kk, vv = kk.to(qq.dtype), vv.to(qq.dtype)
+    o = scaled_dot_product_attention(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+                                     attn_mask=plan.mask[:, None], scale=scaling,
+                                     enable_gqa=H != kk.shape[2])
+    o = o.transpose(1, 2)                                  # (R, Q, H, Dv)
+    out[plan.q_idx[plan.q_valid]] = o[plan.q_valid].to(out.dtype)
+    return out
+
+
+class TorchTreeAttnBackend(AttentionBackend):
+    """Target and draft-extend backend (and one child per draft step of `MultiStepDraftBackend`)."""
+
+    def __init__(self, model_runner):
+        super().__init__()
+        self.device = model_runner.device
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        self.plan: _Plan | None = None
+        self.draft_plan: _Plan | None = None    # set by the multi-step container for draft decode
+
+    # -- metadata -----------------------------------------------------------------------------------
+    def init_forward_metadata(self, forward_batch) -> None:
+        mode = forward_batch.forward_mode
+        r2t = self.req_to_token_pool.req_to_token
+        if mode.is_idle():
+            self.plan = None
+        elif mode.is_target_verify():
+            spec = forward_batch.spec_info
+            if spec is None:
+                raise RuntimeError("entmtp_torch: TARGET_VERIFY batch without spec_info")
+            self.plan = verify_plan(r2t, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                    int(spec.draft_token_num), getattr(spec, "custom_mask", None))
+        elif mode.is_decode():
+            seq = forward_batch.seq_lens.long()
+            self.plan = extend_plan(r2t, forward_batch.req_pool_indices, seq, torch.ones_like(seq))
+        else:
+            self.plan = extend_plan(r2t, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                    forward_batch.extend_seq_lens)
+
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        pass
+
+    def get_cuda_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def get_cpu_graph_seq_len_fill_value(self) -> int:
+        return 1
+
+    def support_triton(self) -> bool:
+        return False
+
+    # -- forward ------------------------------------------------------------------------------------
+    def _run(self, q, k, v, layer, forward_batch, save_kv_cache: bool, plan: _Plan):
+        if layer.is_cross_attention:
+            raise NotImplementedError("entmtp_torch: cross-attention is not supported")
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, None), k, v)
+        out = q.new_empty((q.shape[0], layer.tp_q_head_num * layer.v_head_dim))
+        attend(plan, q.view(-1, layer.tp_q_head_num, layer.qk_head_dim),
+               self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+               self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+               layer.scaling, out.view(-1, layer.tp_q_head_num, layer.v_head_dim))
+        return out
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache, self.plan)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        plan = self.draft_plan if self.draft_plan is not None else self.plan
+        return self._run(q, k, v, layer, forward_batch, save_kv_cache, plan)
+
+
+class MultiStepDraftBackend:
+    """The draft-decode container SGLang's EAGLE draft loop expects: `attn_backends[i]` runs step i.
+
+    Draft slots follow SGLang's layout: request b's `topk * num_steps` slots start at
+    `req_to_token[req, seq_len]`, column c (branch) step s at offset `c * num_steps + s`. At step i, row
+    (b, c) writes its K/V at column c step i. What a row attends to besides the prefix:
+    * default (SGLang EAGLE): its own column's steps 0..i;
+    * with `set_draft_rows(offsets, valid)` (a worker drafting a fixed tree): the listed offsets,
+      `offsets[i]` of shape (topk, A) — the slots of the row's ancestors and itself.
+    """
+
+    def __init__(self, model_runner, topk: int, speculative_num_steps: int):
+        self.topk = topk
+        self.speculative_num_steps = speculative_num_steps
+        self.attn_backends = [TorchTreeAttnBackend(model_runner)
+                              for _ in range(max(speculative_num_steps - 1, 0))]
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self._rows: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+
+    def set_draft_rows(self, offsets: list[torch.Tensor] | None, valid: list[torch.Tensor] | None = None):
+        self._rows = None if offsets is None else (offsets, valid)
+
+    def default_rows(self, step: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        cols = torch.arange(self.topk, device=device)[:, None] * self.speculative_num_steps
+        off = cols + torch.arange(step + 1, device=device)[None, :]
+        return off, torch.ones_like(off, dtype=torch.bool)
+
+    def init_forward_metadata(self, forward_batch) -> None:
+        r2t = self.req_to_token_pool.req_to_token
+        rpi = forward_batch.req_pool_indices.long()
+        seq = forward_batch.seq_lens.long()
+        bs, topk = seq.shape[0], self.topk
+        pre_idx, pre_valid = _ragged_rows(r2t, rpi, seq)
+        pre_idx = pre_idx.repeat_interleave(topk, 0)
+        pre_valid = pre_valid.repeat_interleave(topk, 0)
+        for step, child in enumerate(self.attn_backends):
+            if self._rows is None:
+                off, val = self.default_rows(step, seq.device)
+            else:
+                off, val = self._rows[0][step], self._rows[1][step]
+            # (bs, topk, A) absolute positions in req_to_token -> slots
+            pos = seq[:, None, None] + off[None].long()
+            slots = r2t[rpi[:, None, None], pos.clamp(max=r2t.shape[1] - 1)].long()
+            slots = slots.reshape(bs * topk, -1)
+            v = val[None].expand(bs, -1, -1).reshape(bs * topk, -1)
+            child.draft_plan = rows_plan(pre_idx, pre_valid, torch.where(v, slots, 0), v)
+            child.plan = None

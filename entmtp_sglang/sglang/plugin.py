@@ -1,0 +1,93 @@
+"""The `sglang.srt.plugins` entry point: makes ENTMTP and the `entmtp_torch` attention backend known to SGLang.
+
+SGLang calls `register()` with no arguments in every process it starts (CLI, `sglang.Engine`, each
+scheduler), before it parses server arguments; `register()` is idempotent. SGLang swallows exceptions
+raised by plugins (it only logs them), so every failure here is logged loudly with what to do.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+
+logger = logging.getLogger("entmtp_sglang.sglang")
+
+_DONE = False
+
+# Functions we wrap with SGLang's HookRegistry, with the parameters we rely on. Checked at load.
+HOOKED = {
+    "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend":
+        ("self", "backend_name", "backend_map", "error_template", "stamps_children"),
+}
+
+
+class HookSignatureError(RuntimeError):
+    pass
+
+
+def check_signature(dotted: str, expected: tuple[str, ...]) -> None:
+    """Fail with a message naming `dotted` if its parameters are not `expected` (SGLang changed)."""
+    import pkgutil
+
+    module_name, _, attr = dotted.rpartition(".")
+    owner_name, _, cls_attr = module_name.rpartition(".")
+    try:
+        obj = pkgutil.resolve_name(dotted)
+    except (ImportError, AttributeError) as e:
+        raise HookSignatureError(f"entmtp: SGLang has no {dotted} ({e}); this entmtp-sglang supports "
+                                 f"sglang 0.5.23") from e
+    fn = inspect.unwrap(obj)
+    got = tuple(inspect.signature(fn).parameters)
+    if got[: len(expected)] != expected:
+        raise HookSignatureError(f"entmtp: {dotted} has parameters {got}, expected {expected} "
+                                 f"(written for sglang 0.5.23)")
+
+
+def _draft_backend_around(original, self, backend_name, backend_map, error_template, stamps_children=False):
+    """Adds `entmtp_torch` to DraftBackendFactory's name -> constructor maps."""
+    from .attention import NAME, MultiStepDraftBackend, TorchTreeAttnBackend
+
+    runner = self.draft_model_runner
+    if stamps_children:
+        entry = lambda: (NAME, MultiStepDraftBackend(runner, self.topk, self.speculative_num_steps))  # noqa: E731
+    else:
+        entry = lambda: (NAME, TorchTreeAttnBackend(runner))  # noqa: E731
+    backend_map = {**backend_map, NAME: entry}
+    return original(self, backend_name, backend_map, error_template, stamps_children)
+
+
+def _register_attention() -> None:
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.layers.attention import attention_registry
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    from .attention import NAME, TorchTreeAttnBackend
+
+    if NAME not in attention_registry.ATTENTION_BACKENDS:
+        attention_registry.register_attention_backend(NAME)(lambda runner: TorchTreeAttnBackend(runner))
+    if NAME not in choices.ATTENTION_BACKEND_CHOICES:
+        choices.add_attention_backend_choices([NAME])
+    if NAME not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
+        choices.add_draft_attention_backend_choices([NAME])
+    for dotted, params in HOOKED.items():
+        check_signature(dotted, params)
+    HookRegistry.register(next(iter(HOOKED)), _draft_backend_around, HookType.AROUND)
+
+
+def register() -> None:
+    global _DONE
+    if _DONE:
+        return
+    from .cpu_ops import install_if_missing
+
+    install_if_missing()
+    try:
+        _register_attention()
+        from .algorithm import register_algorithm
+
+        register_algorithm()
+    except Exception:
+        logger.exception("entmtp: registering ENTMTP with SGLang failed; --speculative-algorithm ENTMTP "
+                         "and --attention-backend entmtp_torch will be unknown")
+        raise
+    _DONE = True
