@@ -105,7 +105,7 @@ def main(argv=None) -> int:
                     if rep == 0:
                         prev = outputs.setdefault(item["id"], r.output_ids)
                         assert prev == r.output_ids, f"{mode}: output differs on {item['id']}"
-                        if r.finish_reason == "eos":
+                        if r.finish_reason == "grammar_complete":  # ends with the stop token (eos)
                             jsonschema.validate(json.loads(b.tokenizer.decode(r.output_ids[:-1])), schema)
                             valid[mode] += 1
                 runs[mode].append((tokens / seconds, acc / max(1, steps)))

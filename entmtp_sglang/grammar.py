@@ -7,6 +7,10 @@ A `GrammarSpec` is compiled once per request (errors name the problem before gen
 * `tree_masks(tree, tokens)`    - legal tokens after every node of a draft tree (verification);
 * `path_mask(path_tokens)`      - legal tokens after a path below the root (grammar-aware drafting);
 * `advance(tokens)`             - accept emitted tokens; False on a dead end.
+
+A dead end is a state where no token of the vocabulary is allowed (all masks False) although the grammar
+is not complete, e.g. it needs a character that no token spells. The engine then ends the request with
+finish_reason "grammar_dead_end: ..." instead of emitting a token the grammar forbids.
 """
 
 from __future__ import annotations
@@ -90,6 +94,7 @@ class RequestGrammar:
         self.matcher = xgr.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2.7
         self.vocab_size = vocab_size
         self.dead_end = False
+        self.rejected_token: int | None = None
 
     @property
     def terminated(self) -> bool:
@@ -131,7 +136,7 @@ class RequestGrammar:
             if self.matcher.is_terminated():
                 return True  # tokens after the stop token are cut by the engine
             if not self.matcher.accept_token(int(t)):
-                self.dead_end = True
+                self.dead_end, self.rejected_token = True, int(t)
                 return False
         return True
 

@@ -21,7 +21,7 @@ from ..tree import Tree
 from .batch_tree import pad_trees, tree_attention_mask
 from .draft import DraftState, make_drafting
 from .sampling import SamplingParams, entropy_nats, probs_from_logits
-from .verify import Accepted, verify_greedy, verify_sampling
+from .verify import NO_TOKEN, Accepted, verify_greedy, verify_sampling
 
 
 class RequestError(ValueError):
@@ -40,10 +40,23 @@ class StepRecord:
 
 @dataclass
 class RequestResult:
+    """finish_reason is one of
+        "eos"                          the end-of-sequence token (unconstrained request)
+        "length"                       max_new_tokens reached (unconstrained request)
+        "grammar_complete"             the grammar accepted its stop token: the output is complete
+        "length: grammar incomplete"   max_new_tokens reached before the grammar was complete
+        "grammar_dead_end: ..."        the grammar allows no token of the vocabulary next (or rejected
+                                       one); the rest of the message says where
+    `finish_kind` is the part before the first ':'."""
+
     prompt_ids: list[int]
     output_ids: list[int] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     finish_reason: str = ""
+
+    @property
+    def finish_kind(self) -> str:
+        return self.finish_reason.split(":")[0]
 
     @property
     def mean_accepted(self) -> float:
@@ -203,17 +216,24 @@ class Engine:
         last = hidden[torch.arange(b), lens - 1]  # (B, d) = f_{L-1}
         grammars = grammars or [None] * b
         first = self.target.logits(last)
+        stuck = [False] * b  # the grammar allows no token at all before the first one
         for i, g in enumerate(grammars):
             if g is not None:
-                first[i] = first[i].masked_fill(~g.root_mask(), float("-inf"))
+                allowed = g.root_mask()
+                stuck[i] = not bool(allowed.any())
+                first[i] = first[i].masked_fill(~allowed, float("-inf")) if not stuck[i] else 0.0
         roots = self._pick(first, sampling, gen)
         if self.drafter_kind == "eagle":
             drafting.prefill(ids, lens, hidden, capacity)
-        for r, t, g in zip(results, roots.tolist(), grammars):
+        for r, t, g, dead in zip(results, roots.tolist(), grammars, stuck):
+            if dead:
+                r.finish_reason = "grammar_dead_end: no token of the vocabulary is allowed at the start"
+                continue
             r.output_ids.append(t)
             if g is not None:
                 g.advance([t])
-        active = [not self._finished(r, max_new_tokens, g) for r, g in zip(results, grammars)]
+        active = [not dead and not self._finished(r, max_new_tokens, g)
+                  for r, g, dead in zip(results, grammars, stuck)]
         feats = last
 
         while any(active):
@@ -240,7 +260,7 @@ class Engine:
                 trees.append(tree)
             names = [t.name for t in trees]
             accepted, hidden, logits = self._draft_verify(drafting, state, trees, lens, cache, sampling, gen,
-                                                          grammars, legal)
+                                                          grammars, legal, active)
             feats, roots, commit = self._commit(accepted, hidden, lens, cache, state, active)
             if self.drafter_kind == "eagle":
                 drafting.commit(*commit)
@@ -249,11 +269,16 @@ class Engine:
                 if not active[i]:
                     continue
                 acc, node_tokens = accepted[i]
-                ent = entropy_nats(logits[i, list(acc.nodes)]).tolist()
-                new = [node_tokens[n] for n in acc.nodes[1:]] + [acc.next_token]
+                ent = entropy_nats(logits[i, list(acc.nodes)]).nan_to_num(0.0).tolist()  # nan: nothing allowed
+                new = [node_tokens[n] for n in acc.nodes[1:]]
+                if acc.next_token != NO_TOKEN:
+                    new.append(acc.next_token)
+                r = results[i]
+                new = new[: max_new_tokens - len(r.output_ids)]
+                if self.eos is not None and self.eos in new:
+                    new = new[: new.index(self.eos) + 1]
                 if grammars[i] is not None:
                     grammars[i].advance(new)
-                r = results[i]
                 r.steps.append(StepRecord(names[i], trees[i].num_nodes, acc.num_accepted, ent,
                                           float(d_ent[i]), seconds))
                 r.output_ids.extend(new)
@@ -262,24 +287,24 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------
     def _finished(self, r: RequestResult, max_new_tokens: int, grammar=None) -> bool:
+        """Set r.finish_reason and return True if the request is done (output is already cut at
+        max_new_tokens and at the first eos; the grammar has accepted exactly the output)."""
         if grammar is not None and grammar.dead_end:
-            r.finish_reason = "grammar rejected a token (dead end)"
+            r.finish_reason = f"grammar_dead_end: the grammar rejected token id {grammar.rejected_token}"
             return True
-        if self.eos is not None and self.eos in r.output_ids:
-            r.output_ids = r.output_ids[: r.output_ids.index(self.eos) + 1]
+        if grammar is not None and grammar.terminated:
+            r.finish_reason = "grammar_complete"
+            return True
+        if self.eos is not None and r.output_ids and r.output_ids[-1] == self.eos:
             r.finish_reason = "eos"
             return True
         if len(r.output_ids) >= max_new_tokens:
-            r.output_ids = r.output_ids[:max_new_tokens]
-            r.finish_reason = "length"
+            r.finish_reason = "length" if grammar is None else "length: grammar incomplete"
             return True
-        if grammar is not None:
-            if grammar.terminated:
-                r.finish_reason = "grammar complete"
-                return True
-            if not bool(grammar.root_mask().any()):
-                r.finish_reason = "grammar dead end: no token is allowed next"
-                return True
+        if grammar is not None and not bool(grammar.root_mask().any()):
+            r.finish_reason = (f"grammar_dead_end: no token of the vocabulary is allowed after generated "
+                               f"token {len(r.output_ids)} (id {r.output_ids[-1]})")
+            return True
         return False
 
     @staticmethod
@@ -289,7 +314,7 @@ class Engine:
         return torch.multinomial(probs_from_logits(logits, sampling), 1, generator=gen).squeeze(-1)
 
     def _draft_verify(self, drafting, state: DraftState, trees: list, lens, cache, sampling, gen,
-                      grammars, legal):
+                      grammars, legal, active):
         wide = [t.wide if isinstance(t, DynamicTree) else t for t in trees]
         padded = pad_trees(wide)
         if legal is not None:
@@ -318,20 +343,23 @@ class Engine:
         mask = tree_attention_mask(lens, padded)
         hidden = self.target(tokens, positions, mask, cache, lens)  # (B, N, d)
         logits = self.target.logits(hidden)  # (B, N, V)
+        alive = torch.ones(tokens.shape, dtype=torch.bool)  # (B, N): some token is allowed after the node
         for i, g in enumerate(grammars):
-            if g is not None:
+            if g is not None and active[i]:
                 k = trees[i].num_nodes
                 masks = g.tree_masks(trees[i], tokens[i, :k].tolist())
                 logits[i, :k] = logits[i, :k].masked_fill(~masks, float("-inf"))
+                alive[i, :k] = masks.any(-1)  # False after a stop token or at a grammar dead end
         accepted = []
         if sampling.greedy:
-            argmax = logits.argmax(-1).tolist()
+            argmax = logits.argmax(-1).masked_fill(~alive, NO_TOKEN).tolist()
         for i, tree in enumerate(trees):
             node_tokens = tokens[i, : tree.num_nodes].tolist()
             if sampling.greedy:
                 acc = verify_greedy(tree, node_tokens, argmax[i])
             else:
                 probs = probs_from_logits(logits[i, : tree.num_nodes], sampling)
+                probs = probs.masked_fill(~alive[i, : tree.num_nodes, None], 0.0)
                 acc = verify_sampling(tree, node_tokens, probs, gen)
             accepted.append((acc, node_tokens))
         return accepted, hidden, logits
@@ -360,7 +388,7 @@ class Engine:
                 path_feats[i, j] = state.features[i] if j == 0 else hidden[i, acc.nodes[j - 1]]
             counts[i] = len(acc.nodes)
             feats[i] = hidden[i, acc.nodes[-1]]
-            roots[i] = acc.next_token
+            roots[i] = acc.next_token if acc.next_token != NO_TOKEN else 0  # the request ends this step
         cache.keep(torch.tensor(rows, dtype=torch.int64), torch.tensor(src, dtype=torch.int64),
                    torch.tensor(dst, dtype=torch.int64))
         lens += counts

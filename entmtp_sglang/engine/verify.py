@@ -11,11 +11,14 @@ import torch
 
 from ..tree import Tree
 
+NO_TOKEN = -1  # next_token when the target allows no token after the path (a grammar dead end or stop)
+
 
 @dataclass(frozen=True)
 class Accepted:
     """nodes: the accepted path, root first (node 0, then the accepted drafts). next_token: the token
-    the target adds after the path (the bonus token, or the correction on a rejection)."""
+    the target adds after the path (the bonus token, or the correction on a rejection), or NO_TOKEN
+    where the target allows nothing there (a grammar-masked node with no legal token)."""
 
     nodes: tuple[int, ...]
     next_token: int
@@ -27,6 +30,7 @@ class Accepted:
 
 def verify_greedy(tree: Tree, tokens: list[int], target_argmax: list[int]) -> Accepted:
     """Longest root path whose drafted tokens equal the target's argmax at their parent.
+    A node whose argmax is NO_TOKEN (nothing allowed there) ends the path without a next token.
 
         node = 0
         while some child c of node has tokens[c] == target_argmax[node]: node = c
@@ -85,10 +89,13 @@ def verify_sampling(tree: Tree, tokens: list[int], target_probs: torch.Tensor,
 
     target_probs: (N, V) target distribution at every node (after temperature/top-k/top-p).
     draft_probs[node]: per child of node, its q (see `verify_node_sampling`); default point masses.
+    A node whose target row has no mass (nothing allowed there) ends the path with NO_TOKEN.
     """
     path = [0]
     node = 0
     while True:
+        if not float(target_probs[node].sum()) > 0:
+            return Accepted(tuple(path), NO_TOKEN)
         kids = list(tree.children[node])
         q = (draft_probs or {}).get(node, [None] * len(kids))
         if not kids:
