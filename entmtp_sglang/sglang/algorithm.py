@@ -1,5 +1,70 @@
-"""ENTMTP as an SGLang speculative algorithm (placeholder until the worker lands)."""
+"""ENTMTP registered as an SGLang speculative algorithm that joins the EAGLE code paths."""
+
+from __future__ import annotations
+
+import logging
+
+from .config import EntMtpConfig
+from .sglang_api import CustomSpecAlgo, SpeculativeAlgorithm
+from .tree_plan import required_topk
+
+logger = logging.getLogger("entmtp_sglang.sglang")
+
+NAME = "ENTMTP"
+
+# CustomSpecAlgo answers False to these; ENTMTP behaves as EAGLE does (draft KV, hidden-state capture,
+# future-map relay, grammar in verify).
+_AS_EAGLE = ("is_some", "is_speculative", "is_eagle", "supports_prefill_shared_read_done", "supports_mixed_chunk",
+             "supports_ragged_verify", "supports_grammar_overlap", "has_draft_kv", "carries_draft_hidden_states",
+             "create_future_map", "need_topk")
+
+
+class EntMtpSpecAlgo(CustomSpecAlgo):
+    def handle_server_args(self, server_args) -> None:
+        """Sizes SGLang's EAGLE buffers for the largest tree of the set (runs on SGLang's stand-in)."""
+        cfg = EntMtpConfig.from_server_args(server_args)
+        ts = cfg.load_tree_set()
+        steps = ts.max_depth
+        topk = max(required_topk(t.tree) for t in ts.trees)
+        server_args.speculative_num_steps = steps
+        server_args.speculative_eagle_topk = topk
+        server_args.speculative_num_draft_tokens = ts.max_nodes
+        if str(server_args.device) == "cpu":
+            server_args.disable_overlap_schedule = True
+        if server_args.max_running_requests is None:
+            server_args.max_running_requests = 48
+        if not server_args.speculative_draft_model_path:
+            raise ValueError("ENTMTP needs an EAGLE-layout draft model: --speculative-draft-model-path DIR "
+                             "(the bundled model's is entmtp_sglang/models/entmtp-tiny/eagle)")
+        logger.info("ENTMTP: tree set %s (%d trees, up to %d nodes, depth %d, topk %d)",
+                    cfg.tree_set_path, len(ts.trees), ts.max_nodes, steps, topk)
+
+    def resolve_max_speculative_num_draft_tokens(self, server_args):
+        return EntMtpConfig.from_server_args(server_args).load_tree_set().max_nodes
+
+
+def _delegate(name):
+    def method(self, *args, **kwargs):
+        return getattr(SpeculativeAlgorithm.EAGLE, name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"As SpeculativeAlgorithm.EAGLE.{name}."
+    return method
+
+
+for _name in _AS_EAGLE:
+    setattr(EntMtpSpecAlgo, _name, _delegate(_name))
+
+
+def _factory(server_args):
+    from .worker import EntMtpWorker
+
+    return EntMtpWorker
 
 
 def register_algorithm() -> None:
-    pass
+    from .sglang_api import spec_registry
+
+    if NAME in spec_registry._REGISTRY:
+        return
+    SpeculativeAlgorithm.register(NAME, supports_overlap=False, spec_class=EntMtpSpecAlgo)(_factory)

@@ -213,7 +213,8 @@ class MultiStepDraftBackend:
         pre_idx, pre_valid = _ragged_rows(r2t, rpi, seq)
         pre_idx = pre_idx.repeat_interleave(topk, 0)
         pre_valid = pre_valid.repeat_interleave(topk, 0)
-        for step, child in enumerate(self.attn_backends):
+        steps = len(self.attn_backends) if self._rows is None else min(len(self.attn_backends), len(self._rows[0]))
+        for step, child in enumerate(self.attn_backends[:steps]):
             if self._rows is None:
                 off, val = self.default_rows(step, seq.device)
             else:

@@ -8,5 +8,23 @@ from __future__ import annotations
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
+from sglang.srt.runtime_context import get_context
+from sglang.srt.speculative import spec_registry
+from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
+from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+from sglang.srt.speculative.spec_registry import CustomSpecAlgo
 
-__all__ = ["AttentionBackend", "KVWriteLoc"]
+
+def __getattr__(name):
+    # The worker base class pulls in SGLang's whole scheduler stack; import it only when asked.
+    if name == "EAGLEWorkerV2":
+        from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
+
+        return EAGLEWorkerV2
+    raise AttributeError(name)
+
+
+__all__ = ["AttentionBackend", "CustomSpecAlgo", "EAGLEWorkerV2", "ForwardContext", "KVWriteLoc",
+           "SpeculativeAlgorithm", "forward_context", "get_context", "per_step_draft_out_cache_loc",
+           "spec_registry"]

@@ -1,0 +1,178 @@
+"""The ENTMTP worker: SGLang's EAGLEWorkerV2 drafting one tree of a tree set per decode step.
+
+Per step (per batch: SGLang verifies one `draft_token_num` per batch, so every request of a batch gets the
+same tree):
+1. signal: each request's draft entropy of its next root distribution, computed from the logits the
+   draft-extend pass already produced (no extra forward); the batch's signal is the mean;
+2. `select_tree(tree_set, entropy, batch_size)` (the same pure selector as the reference engine, with
+   hysteresis) picks a tree; its node count becomes this step's `speculative_num_draft_tokens`;
+3. the draft expands that tree level by level (each drafted node attends exactly to its ancestors, via
+   `entmtp_torch`'s per-row draft slots) and hands SGLang the same candidate encoding EAGLE uses, so
+   verification, acceptance, KV compaction and grammar walking are SGLang's own code.
+
+Decisions depend only on logits, which are identical on every tensor-parallel rank, and on the batch
+size, so every rank picks the same tree.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import time
+
+import torch
+
+from ..kernels import softmax_entropy
+from ..policy.selector import select_tree
+from .attention import MultiStepDraftBackend
+from .config import EntMtpConfig
+from .sglang_api import (EAGLEWorkerV2, ForwardContext, forward_context, get_context,
+                         per_step_draft_out_cache_loc)
+from .tree_plan import plan_tree
+
+logger = logging.getLogger("entmtp_sglang.sglang")
+
+
+class EntMtpWorker(EAGLEWorkerV2):
+    def __init__(self, server_args, gpu_id, nccl_port, target_worker):
+        super().__init__(server_args, gpu_id, nccl_port, target_worker)
+        self.config = EntMtpConfig.from_server_args(server_args)
+        self.tree_set = self.config.load_tree_set()
+        # Each tree is laid out with its own depth as SGLang's num_steps: the accept buffers are
+        # num_steps + 1 wide and must not exceed the tree's node count.
+        self.plans = [plan_tree(t.tree, self.topk, t.tree.max_depth) for t in self.tree_set.trees]
+        self.entropy: dict[str, float] = {}        # rid -> latest draft entropy (nats)
+        self.current: int | None = None
+        self.histogram = collections.Counter()
+        self.steps = 0
+        self.last_log = time.monotonic()
+        self._plan = self.plans[-1]
+        self._last_extend = None
+        dw = self._draft_worker
+        if dw is not None:
+            dw.draft_forward = self._draft_forward_tree
+            forward = dw.draft_runner.forward
+
+            def capture(forward_batch, *args, **kwargs):
+                out = forward(forward_batch, *args, **kwargs)
+                if not forward_batch.forward_mode.is_decode():   # draft extend, not a draft step
+                    self._last_extend = out.logits_output
+                return out
+
+            dw.draft_runner.forward = capture
+
+    # -- per step -----------------------------------------------------------------------------------
+    def forward_batch_generation(self, batch, *args, **kwargs):
+        decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
+        if decode and not batch.forward_mode.is_idle() and self._draft_worker is not None:
+            self._choose(batch)
+        self._last_extend = None
+        out = super().forward_batch_generation(batch, *args, **kwargs)
+        self._record_entropy(batch)
+        return out
+
+    def _choose(self, batch) -> None:
+        reqs = batch.reqs
+        hs = [self.entropy.get(r.rid) for r in reqs]
+        known = [h for h in hs if h is not None]
+        h = sum(known) / len(known) if known else float("inf")
+        idx = select_tree(self.tree_set, h, len(reqs), self.current, self.config.hysteresis,
+                          max_nodes=self.config.max_nodes)
+        self.current = idx
+        plan = self.plans[idx]
+        self._plan = plan
+        self.histogram[plan.tree.name] += 1
+        self.steps += 1
+        for r in reqs:
+            trees = getattr(r, "entmtp_trees", None)
+            if trees is None:
+                trees = r.entmtp_trees = collections.Counter()
+            trees[plan.tree.name] += 1
+        n, steps = plan.num_nodes, plan.num_steps
+        dw = self._draft_worker
+        if (self.speculative_num_draft_tokens, self.speculative_num_steps) != (n, steps):
+            self.speculative_num_draft_tokens = dw.speculative_num_draft_tokens = n
+            self.speculative_num_steps = dw.speculative_num_steps = steps
+            get_context().override("entmtp.tree", speculative_num_draft_tokens=n, speculative_num_steps=steps)
+        backend = dw.draft_attn_backend
+        if not isinstance(backend, MultiStepDraftBackend):
+            raise RuntimeError("ENTMTP drafts fixed trees with the entmtp_torch attention backend; start the "
+                               f"server with --attention-backend entmtp_torch (draft backend: {type(backend).__name__})")
+        backend.set_draft_rows(*_row_tensors(plan))
+        if time.monotonic() - self.last_log > self.config.log_interval_s:
+            self.last_log = time.monotonic()
+            logger.info("ENTMTP trees chosen over %d steps: %s", self.steps,
+                        ", ".join(f"{k}={v}" for k, v in self.histogram.most_common()))
+
+    def _record_entropy(self, batch) -> None:
+        out = self._last_extend
+        self._last_extend = None
+        if out is None or out.next_token_logits is None:
+            return
+        logits = out.next_token_logits
+        if logits.shape[0] != len(batch.reqs):
+            return
+        h = softmax_entropy(logits.float())
+        for r, v in zip(batch.reqs, h.tolist()):
+            self.entropy[r.rid] = v
+        if len(self.entropy) > 4 * max(64, len(batch.reqs)):
+            live = {r.rid for r in batch.reqs}
+            self.entropy = {k: v for k, v in self.entropy.items() if k in live}
+
+    # -- drafting a fixed tree ----------------------------------------------------------------------
+    def _draft_forward_tree(self, forward_batch):
+        """Replaces EagleDraftWorker.draft_forward: returns (parent_list, top_scores_index, tokens, None)."""
+        dw = self._draft_worker
+        plan = self._plan
+        spec_info = forward_batch.spec_info
+        if forward_batch.forward_mode.is_idle():
+            return dw._draft_forward_idle(forward_batch, spec_info)
+        topk, steps = self.topk, plan.num_steps
+        topk_index = spec_info.topk_index                       # (bs, topk) root children by rank
+        bs = topk_index.shape[0]
+        dev = topk_index.device
+        token: dict[int, torch.Tensor] = {}
+        hidden_out: dict[int, torch.Tensor] = {0: spec_info.hidden_states}
+        parents = plan.tree.parents
+        for i in range(1, plan.num_nodes):
+            if plan.depth[i] == 1:
+                token[i] = topk_index[:, plan.rank[i]]
+        out_cache_loc = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, bs, topk, steps)
+        for step, col in enumerate(plan.columns):
+            if not col:
+                break
+            rows = list(col) + [col[0]] * (topk - len(col))
+            forward_batch.input_ids = torch.stack([token[n] for n in rows], 1).flatten()
+            spec_info.hidden_states = torch.stack([hidden_out[parents[n]] for n in rows], 1).flatten(0, 1)
+            forward_batch.out_cache_loc = out_cache_loc[step]
+            with forward_context(ForwardContext(attn_backend=dw.draft_attn_backend.attn_backends[step]),
+                                 forward_batch=forward_batch):
+                logits_output = dw.draft_runner.forward(forward_batch).logits_output
+            forward_batch.positions.add_(1)
+            logits = logits_output.next_token_logits.view(bs, topk, -1)
+            hid = logits_output.hidden_states.view(bs, topk, -1)
+            top = torch.topk(logits, topk, dim=-1).indices      # (bs, topk rows, topk ranks)
+            for c, n in enumerate(col):
+                hidden_out[n] = hid[:, c]
+            for i in range(1, plan.num_nodes):
+                if plan.depth[i] == step + 2:
+                    c = col.index(parents[i])
+                    token[i] = top[:, c, plan.rank[i]]
+        parent_list = torch.tensor(plan.parent_list, dtype=torch.long, device=dev).expand(bs, -1).contiguous()
+        selected = torch.tensor(plan.selected, dtype=torch.long, device=dev).expand(bs, -1).contiguous()
+        draft_tokens = torch.stack([token[i] for i in plan.selected_nodes], 1)
+        return parent_list, selected, draft_tokens, None
+
+
+def _row_tensors(plan):
+    offs, valid = [], []
+    for rows in plan.ancestor_offsets:
+        a = max(len(r) for r in rows)
+        o = torch.zeros(len(rows), a, dtype=torch.long)
+        v = torch.zeros(len(rows), a, dtype=torch.bool)
+        for c, r in enumerate(rows):
+            o[c, : len(r)] = torch.tensor(r, dtype=torch.long)
+            v[c, : len(r)] = True
+        offs.append(o)
+        valid.append(v)
+    return offs, valid
