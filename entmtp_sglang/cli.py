@@ -219,17 +219,28 @@ def _read_tree(spec: str):
     return Tree.parse(spec)
 
 
+def _add_bench(sub) -> None:
+    from .bench.cli import add_parser
+
+    add_parser(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="entmtp", description="EntMTP: entropy-guided tree speculation for multi-token-prediction models.")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_generate(sub)
     _add_calibrate(sub)
+    _add_bench(sub)
     args = parser.parse_args(argv)
     if args.command == "generate":
         return _generate(args)
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "bench":
+        from .bench.cli import main as bench_main
+
+        return bench_main(args)
     parser.error(f"unknown command {args.command}")
     return 2
 

@@ -1,0 +1,110 @@
+"""The `entmtp bench` subcommand (wired into entmtp_sglang.cli)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+EPILOG = """\
+what it measures:
+  every system on every task at every batch size, interleaved, repeated; greedy decoding on the held-out
+  (test) prompts; tokens/s and its ratio to the same engine's plain decoding (median over repeats), mean
+  accepted drafts per step, target tokens verified per token produced, time in the tree chooser per step,
+  the trees chosen, and whether outputs equal plain decoding token for token.
+outputs (in --out):
+  bench_<name>.jsonl   one line for the run (config, commit, machine, measured costs) + one per result row
+  bench_<name>.md      the tables printed at the end
+  bench_<name>_speedup.png, _entropy_trace.png, _accepted_vs_entropy.png
+  <name> is quick, full, or custom when --tasks/--systems/--batch-sizes change the defaults
+examples:
+  entmtp bench --quick                               # < 10 minutes on 2 CPU cores
+  entmtp bench                                       # the full run (see bench/TASKS.md for its duration)
+  entmtp bench --tasks code,json --systems plain,static-hydra,entmtp-hydra --batch-sizes 1,8
+  entmtp bench --list-systems
+"""
+
+
+def _csv(kind):
+    def parse(text: str):
+        items = tuple(x.strip() for x in text.split(",") if x.strip())
+        if not items:
+            raise argparse.ArgumentTypeError("give a comma-separated list")
+        try:
+            return tuple(kind(x) for x in items)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a list of {kind.__name__}: {text!r}") from None
+    return parse
+
+
+def add_parser(sub) -> None:
+    from .config import BenchConfig
+    from .workload import TASKS
+
+    d = BenchConfig.__dataclass_fields__
+    p = sub.add_parser(
+        "bench", help="benchmark systems x tasks x batch sizes; print a table, write JSON lines and plots",
+        description="Benchmark decoding systems (plain, static Medusa/Hydra trees, EAGLE-2 dynamic trees, "
+                    "SGLang's adaptive rule, EntMTP, the oracle, transformers prompt lookup) on the held-out "
+                    "prompt sets, side by side.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="a short run: batch 1 and 32, 2 streams per task, 32 new tokens, 2 repeats "
+                        "(explicit options below still override)")
+    p.add_argument("--tasks", type=_csv(str), default=None,
+                   help=f"comma-separated tasks (default: all: {','.join(TASKS)})")
+    p.add_argument("--systems", type=_csv(str), default=None,
+                   help=f"comma-separated systems (default: {','.join(d['systems'].default)}; see "
+                        "--list-systems); each system's baseline is added when missing")
+    p.add_argument("--batch-sizes", type=_csv(int), default=None,
+                   help=f"comma-separated batch sizes (default: {','.join(map(str, d['batch_sizes'].default))})")
+    p.add_argument("--repeats", type=int, default=None,
+                   help=f"interleaved repeats; the median is reported (default: {d['repeats'].default})")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"tokens per request (default: {d['max_new_tokens'].default})")
+    p.add_argument("--prompts", type=int, default=None,
+                   help=f"streams per task at batch 1; batch b uses max(prompts, b) (default: {d['prompts'].default})")
+    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--model", type=Path, default=None, help="model directory (default: the bundled entmtp-tiny)")
+    p.add_argument("--out", type=Path, default=Path("bench/results"),
+                   help="directory for the JSON lines, Markdown and PNGs (default: bench/results)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--list-systems", action="store_true", help="list the registered systems and exit")
+
+
+def main(args) -> int:
+    from .report import write_all
+    from .config import QUICK, BenchConfig
+    from .runner import run_bench
+    from .systems import registry
+
+    if args.list_systems:
+        for name, spec in registry().items():
+            print(f"{name:18s} [{spec.engine}] {spec.description}")
+        return 0
+    kw = dict(QUICK) if args.quick else {}
+    custom = False
+    for opt, key in (("tasks", "tasks"), ("systems", "systems"), ("batch_sizes", "batch_sizes")):
+        if getattr(args, opt) is not None:
+            kw[key] = getattr(args, opt)
+            custom = True
+    for opt in ("repeats", "max_new_tokens", "prompts"):
+        if getattr(args, opt) is not None:
+            kw[opt] = getattr(args, opt)
+    if custom:
+        kw["name"] = "custom"
+    kw["threads"] = args.threads
+    kw["model_dir"] = str(args.model) if args.model else None
+    try:
+        cfg = BenchConfig(**kw)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    result = run_bench(cfg)
+    files = write_all(result, args.out, plots=not args.no_plots)
+    print(files["md"].read_text())
+    print(f"wrote {', '.join(str(p) for p in files.values())}")
+    print(f"bench {cfg.name}: {time.perf_counter() - t0:.0f} s")
+    return 0

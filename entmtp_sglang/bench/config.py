@@ -1,0 +1,48 @@
+"""Benchmark configuration (no torch import here, so `entmtp --help` stays fast)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .systems import registry
+from .workload import TASKS
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    tasks: tuple[str, ...] = TASKS
+    systems: tuple[str, ...] = ("plain", "static-medusa", "static-hydra", "eagle2-hydra", "adaptive-hydra",
+                                "entmtp-medusa", "entmtp-hydra", "oracle-medusa", "oracle-hydra",
+                                "hf-greedy", "hf-prompt-lookup")
+    batch_sizes: tuple[int, ...] = (1, 8, 32)
+    repeats: int = 3
+    max_new_tokens: int = 64
+    prompts: int = 4  # streams per task at batch 1 (at batch b: max(prompts, b) streams, b at a time)
+    threads: int = 0  # torch CPU threads; 0 = torch's choice
+    cost_steps: int = 6  # engine steps timed per tree and batch size for the cost measurements
+    cost_rounds: int = 2
+    name: str = "full"
+    model_dir: str | None = None
+
+    def __post_init__(self):
+        if not self.tasks or not self.systems or not self.batch_sizes:
+            raise ValueError("need at least one task, one system and one batch size")
+        bad = [t for t in self.tasks if t not in TASKS]
+        if bad:
+            raise ValueError(f"unknown task(s) {', '.join(bad)}; choose from {', '.join(TASKS)}")
+        known = registry()
+        bad = [s for s in self.systems if s not in known]
+        if bad:
+            raise ValueError(f"unknown system(s) {', '.join(bad)}; choose from {', '.join(known)}")
+        if any(b < 1 for b in self.batch_sizes):
+            raise ValueError("batch sizes must be >= 1")
+        if self.repeats < 1 or self.prompts < 1 or self.max_new_tokens < 2:
+            raise ValueError("need repeats >= 1, prompts >= 1 and max_new_tokens >= 2")
+
+    def streams_at(self, batch_size: int) -> int:
+        return max(self.prompts, batch_size)
+
+
+QUICK = dict(repeats=2, max_new_tokens=32, prompts=2, batch_sizes=(1, 32), cost_steps=3, name="quick")
+
+

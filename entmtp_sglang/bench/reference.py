@@ -1,0 +1,381 @@
+"""Systems on the reference engine: the same target and drafter weights, only the tree policy differs.
+
+    plain            one token per target pass, no drafter at all
+    static-<d>       the drafter's default static tree, built the Medusa/Hydra way: per-head top-k
+                     accuracy on the calibration records, best of 4/8/16/32 nodes by measured cost
+    eagle2-<d>       EAGLE-2 style dynamic tree: draft a wide 48-node candidate tree, verify the nodes
+                     with the best cumulative draft confidence, as many as the default static tree has
+    adaptive-<d>     SGLang's --speculative-adaptive rule (EMA of accepted length picks the chain depth)
+    entmtp-<d>       EntMTP on the task's shipped tree set, plus "no speculation" (chain:0), with tree
+                     costs measured on this machine at start-up for each batch size of the run
+    oracle-<d>       the best tree of that same set at every step, in hindsight (the ceiling)
+
+<d> is medusa or hydra (the drafters with calibrated tree sets); eagle2-eagle uses the EAGLE drafter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import Counter
+
+import torch
+
+from ..calibrate import CalibrationConfig, fit_cost_model, load_records, record_positions
+from ..engine.engine import Engine, StepView, static_chooser
+from ..model.load import load_bundle
+from ..policy.policies import AdaptiveEMAPolicy, Eagle2Policy, EntMTPPolicy, OraclePolicy, StaticPolicy
+from ..tasks import TASKS as PROMPT_TASKS
+from ..tasks import load_prompts
+from ..tree import Tree
+from ..tree.construct import accepted_on, independent_tree
+from ..tree.treeset import TreeEntry, TreeSet, load_tree_set, shipped_tree_set
+from .systems import RequestOutcome, System, TaskStreams, register_system
+from .workload import BenchContext, room
+
+MAX_DEPTH = 5  # drafted positions used by every speculative system (the Medusa/Hydra heads have 5)
+MAX_RANK = 6
+EAGLE2_WIDE_NODES = 48
+DEFAULT_TREE_SIZES = (4, 8, 16, 32)
+
+
+class NoDrafter(torch.nn.Module):
+    """Stands in for a drafter in plain decoding: proposes nothing and costs nothing."""
+
+    max_depth = 0
+
+    def __init__(self, vocab_size: int):
+        super().__init__()
+        self.vocab_size = vocab_size
+
+    def head_logits(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
+        return torch.zeros(feature.shape[:-1] + (self.vocab_size,), dtype=feature.dtype)
+
+
+class TimedChooser:
+    """Wraps a tree chooser: time spent inside it and the depth chosen, per request of the batch."""
+
+    def __init__(self, inner, batch: int):
+        self.inner = inner
+        self.seconds = [0.0] * batch
+        self.depths: list[list[int]] = [[] for _ in range(batch)]
+
+    def __call__(self, view: StepView):
+        t0 = time.perf_counter()
+        tree = self.inner(view)
+        self.seconds[view.index] += time.perf_counter() - t0
+        self.depths[view.index].append(tree.max_depth)
+        return tree
+
+
+class Resources:
+    """Models, default trees, measured costs and hindsight records, shared by the reference systems."""
+
+    def __init__(self, ctx: BenchContext):
+        self.ctx = ctx
+        self.bundles: dict[str, object] = {}
+        self.engines: dict[str, Engine] = {}
+        self._default: dict[str, Tree] = {}
+        self._acc: dict[str, list[list[float]]] = {}
+        self._records: dict[str, list] = {}
+        self._costs: dict[tuple, float] = {}
+        self._sets: dict[tuple, TreeSet] = {}
+        self._ranks: dict[tuple, dict] = {}
+
+    @classmethod
+    def of(cls, ctx: BenchContext) -> "Resources":
+        return ctx.get("reference", lambda: cls(ctx))
+
+    # -- models ---------------------------------------------------------------------------------
+    def bundle(self, drafter: str = "medusa"):
+        if drafter not in self.bundles:
+            self.bundles[drafter] = load_bundle(self.ctx.model_dir, drafter)
+        return self.bundles[drafter]
+
+    def engine(self, drafter: str | None) -> Engine:
+        key = drafter or "plain"
+        if key not in self.engines:
+            b = self.bundle(drafter or "medusa")
+            if drafter is None:
+                self.engines[key] = Engine(b.target, "medusa", NoDrafter(b.target.shape.vocab_size),
+                                           b.eos_token_id)
+            else:
+                self.engines[key] = Engine(b.target, drafter, b.drafter, b.eos_token_id)
+        return self.engines[key]
+
+    @property
+    def tokenizer(self):
+        return self.bundle().tokenizer
+
+    @property
+    def context_tokens(self) -> int:
+        return self.bundle().target.shape.max_position_embeddings
+
+    def plain_generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        res = self.engine(None).generate(prompts, max_new_tokens, static_chooser(Tree.chain(0)))
+        return [r.output_ids for r in res]
+
+    def calib_prompts(self, n: int = 4) -> list[list[int]]:
+        tok = self.tokenizer
+        return [tok.encode(it["prompt"]).ids[-300:] for it in load_prompts("code", "calib", n)]
+
+    # -- default static tree (Medusa/Hydra construction) -----------------------------------------
+    def head_accuracy(self, drafter: str) -> list[list[float]]:
+        """P(rank of the true token at depth k == r), over the calibration records of every task."""
+        if drafter not in self._acc:
+            records = []
+            for t in PROMPT_TASKS:
+                path = shipped_tree_set(drafter, t).with_suffix(".records.jsonl")
+                if path.exists():
+                    records += load_records(path)
+            if not records:  # an installed wheel ships no records: decode a few calibration prompts
+                keep = room(self.context_tokens, 64)
+                prompts = [self.tokenizer.encode(it["prompt"]).ids[-keep:]
+                           for t in PROMPT_TASKS for it in load_prompts(t, "calib", 2)]
+                cfg = CalibrationConfig(drafter, "mix", len(prompts), 64, max_depth=MAX_DEPTH, max_rank=MAX_RANK)
+                records = record_positions(self.bundle(drafter), prompts, cfg)
+            acc = [[0.0] * MAX_RANK for _ in range(min(MAX_DEPTH, len(records[0].ranks)))]
+            for r in records:
+                for d, rank in enumerate(r.ranks[: len(acc)]):
+                    if rank < MAX_RANK:
+                        acc[d][rank] += 1 / len(records)
+            self._acc[drafter] = acc
+            self._records[drafter] = records
+        return self._acc[drafter]
+
+    def default_tree(self, drafter: str) -> Tree:
+        """As bench/policies.py: the independent-heads tree of 4/8/16/32 nodes with the most expected
+        tokens per second (accepted length replayed on the calibration records, cost measured here)."""
+        if drafter not in self._default:
+            acc = self.head_accuracy(drafter)
+            records = self._records[drafter]
+            cands = [independent_tree(acc, n, name=f"default:n{n}") for n in DEFAULT_TREE_SIZES]
+            self.measure_costs(drafter, cands, 1)
+            values = [sum(accepted_on(t, r.ranks) + 1 for r in records) / len(records) / self.cost(drafter, t, 1)
+                      for t in cands]
+            self._default[drafter] = cands[max(range(len(cands)), key=lambda i: values[i])]
+            self.ctx.log(f"[{drafter}] default static tree {self._default[drafter].name}")
+        return self._default[drafter]
+
+    # -- costs measured on this machine ----------------------------------------------------------
+    def cost(self, drafter: str, tree: Tree, batch_size: int) -> float:
+        """Wall time of one engine step with this tree at this batch size (seconds), measured here."""
+        key = (drafter, tree.parents, batch_size)
+        if key not in self._costs:
+            self.measure_costs(drafter, [tree], batch_size)
+        return self._costs[key]
+
+    def measure_costs(self, drafter: str, trees: list[Tree], batch_size: int) -> None:
+        """Time `cost_steps` engine steps per tree, the trees interleaved, `cost_rounds` times; keep each tree's
+        lowest per-round median (other processes on the machine only ever add time)."""
+        engine = self.engine(drafter)
+        prompts = self.calib_prompts()
+        batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+        steps = self.ctx.cost_steps
+        unique = {t.parents: t for t in trees}.values()
+        todo = [t for t in unique if (drafter, t.parents, batch_size) not in self._costs]
+        best: dict[tuple, float] = {}
+        for _ in range(self.ctx.cost_rounds):
+            for t in todo:
+                res = engine.generate(batch, 2 * steps + 2, static_chooser(t))
+                times = [s.seconds for s in res[0].steps[1:]] or [s.seconds for s in res[0].steps]
+                m = statistics.median(times)
+                best[t.parents] = min(best.get(t.parents, m), m)
+        for t in todo:
+            self._costs[(drafter, t.parents, batch_size)] = best[t.parents]
+
+    def cost_model(self, drafter: str, batch_size: int):
+        """Seconds per step for any tree: measured for reference shapes, a fitted a + b*nodes + c*depth
+        for the rest (chain:0, no speculation, is always measured directly)."""
+        key = ("model", drafter, batch_size)
+        if key not in self._costs:
+            acc = self.head_accuracy(drafter)
+            refs = [Tree.chain(d) for d in (0, 1, 3, MAX_DEPTH)] + \
+                   [independent_tree(acc, n) for n in (8, 16, 32)]
+            self.measure_costs(drafter, refs, batch_size)
+            samples = [(t, self.cost(drafter, t, batch_size)) for t in refs]
+            fit = fit_cost_model(samples)
+            measured = {t.parents: c for t, c in samples}
+            self._costs[key] = lambda t: measured.get(t.parents) or fit(t)
+        return self._costs[key]
+
+    # -- tree sets --------------------------------------------------------------------------------
+    def tree_set(self, drafter: str, task: str, batch_sizes: tuple[int, ...]) -> TreeSet:
+        """The shipped set for (drafter, task) plus chain:0, with costs measured here and now."""
+        key = (drafter, task, batch_sizes)
+        if key not in self._sets:
+            shipped = load_tree_set(shipped_tree_set(drafter, task), drafter=drafter, max_depth=MAX_DEPTH)
+            models = {b: self.cost_model(drafter, b) for b in batch_sizes}
+            self._sets[key] = with_measured_costs(shipped, models)
+        return self._sets[key]
+
+    # -- hindsight --------------------------------------------------------------------------------
+    def ranks(self, drafter: str, streams: TaskStreams, max_new_tokens: int) -> dict:
+        """(stream, segment) -> the rank vector of the greedy continuation at every output position.
+
+        Recorded once per task for the most streams asked (later calls with fewer streams reuse it)."""
+        key = (drafter, streams.task)
+        have = self._ranks.get(key)  # greedy outputs do not depend on max_new_tokens: reuse longer ones
+        if have is None or have[0] < len(streams) or have[1] < max_new_tokens:
+            flat = [(i, j) for i, s in enumerate(streams) for j in range(len(s.segments))]
+            prompts = [list(streams.streams[i].segments[j]) for i, j in flat]
+            cfg = CalibrationConfig(drafter, streams.task, len(prompts), max_new_tokens, max_depth=MAX_DEPTH,
+                                    max_rank=MAX_RANK, batch_size=8)
+            rows: dict[tuple[int, int], list[list[int]]] = {k: [] for k in flat}
+            for rec in record_positions(self.bundle(drafter), prompts, cfg):
+                rows[flat[rec.prompt]].append(list(rec.ranks))
+            self._ranks[key] = (len(streams), max_new_tokens, rows)
+        return self._ranks[key][2]
+
+
+def with_measured_costs(tree_set: TreeSet, cost_models: dict) -> TreeSet:
+    """`tree_set` with "no speculation" (chain:0, nothing accepted) added when missing, and every tree's
+    cost replaced by `cost_models[batch_size](tree)` (seconds per step measured on this machine).
+
+    EntMTP's selector then compares (expected accepted + 1) / cost at the live batch size across all
+    trees and plain decoding, so it backs off to shallow trees or none when verification gets expensive."""
+    entries = list(tree_set.trees)
+    if not any(e.tree.num_nodes == 1 for e in entries):
+        entries.insert(0, TreeEntry(Tree.chain(0), (0.0,) * tree_set.num_bins, {1: 1.0}))
+    entries = [TreeEntry(e.tree, e.expected_accepted, {b: float(m(e.tree)) for b, m in cost_models.items()})
+               for e in entries]
+    return dataclasses.replace(tree_set, trees=tuple(entries),
+                               hardware=f"costs measured at bench start (calibrated on: {tree_set.hardware})")
+
+
+class ReferenceSystem(System):
+    """Runs `Engine.generate` with a chooser made per batch (`make_chooser`) and kept across segments."""
+
+    engine = "reference"
+    baseline = "plain"
+
+    def __init__(self, ctx: BenchContext, drafter: str | None):
+        self.res = Resources.of(ctx)
+        self.drafter = drafter
+        self.batch_sizes: tuple[int, ...] = (1,)
+
+    def prepare(self, streams: TaskStreams, batch_sizes: tuple[int, ...], max_new_tokens: int) -> None:
+        self.batch_sizes = tuple(sorted(set(self.batch_sizes) | set(batch_sizes)))
+        self.res.engine(self.drafter)
+
+    def make_chooser(self, streams: TaskStreams, stream_ids: list[int], batch_size: int, max_new_tokens: int):
+        """A chooser for these streams; `.segment(j)` (if present) is called before each segment."""
+        raise NotImplementedError
+
+    def run(self, streams: TaskStreams, batch_size: int, max_new_tokens: int) -> list[RequestOutcome]:
+        engine = self.res.engine(self.drafter)
+        out: list[RequestOutcome] = []
+        for start in range(0, len(streams), batch_size):
+            ids = list(range(start, min(start + batch_size, len(streams))))
+            chooser = self.make_chooser(streams, ids, batch_size, max_new_tokens)
+            for j in range(len(streams.streams[ids[0]].segments)):
+                prompts = [list(streams.streams[i].segments[j]) for i in ids]
+                inner = chooser.segment(j) if hasattr(chooser, "segment") else chooser
+                timed = TimedChooser(inner, len(ids))
+                t0 = time.perf_counter()
+                results = engine.generate(prompts, max_new_tokens, timed)
+                call = time.perf_counter() - t0
+                for k, (i, r) in enumerate(zip(ids, results)):
+                    depths = timed.depths[k]
+                    trace = [(s.draft_entropy, depths[n] if n < len(depths) else -1, s.accepted)
+                             for n, s in enumerate(r.steps)]
+                    out.append(RequestOutcome(
+                        stream=i, segment=j, output_ids=list(r.output_ids), steps=len(r.steps),
+                        accepted_drafts=sum(s.accepted for s in r.steps),
+                        verified_tokens=sum(s.num_nodes for s in r.steps), seconds=call / len(ids),
+                        call_seconds=call, trees=dict(Counter(s.tree for s in r.steps)),
+                        policy_seconds=timed.seconds[k], trace=trace))
+        return out
+
+
+class _Plain(ReferenceSystem):
+    description = "plain decoding: one token per target pass, no drafter"
+
+    def __init__(self, ctx):
+        super().__init__(ctx, None)
+
+    def make_chooser(self, streams, stream_ids, batch_size, max_new_tokens):
+        return static_chooser(Tree.chain(0))
+
+
+class _Static(ReferenceSystem):
+    def prepare(self, streams, batch_sizes, max_new_tokens):
+        super().prepare(streams, batch_sizes, max_new_tokens)
+        self.res.default_tree(self.drafter)
+
+    def make_chooser(self, streams, stream_ids, batch_size, max_new_tokens):
+        return StaticPolicy(self.res.default_tree(self.drafter))
+
+
+class _Eagle2(ReferenceSystem):
+    def prepare(self, streams, batch_sizes, max_new_tokens):
+        super().prepare(streams, batch_sizes, max_new_tokens)
+        self.policy()
+
+    def policy(self) -> Eagle2Policy:
+        # the wide candidate tree and the budget come from the Medusa/Hydra drafter that shares the
+        # heads' statistics; for the EAGLE drafter the Hydra statistics stand in (same target)
+        stats = self.drafter if self.drafter in ("medusa", "hydra") else "hydra"
+        acc = self.res.head_accuracy(stats)
+        wide = independent_tree(acc, EAGLE2_WIDE_NODES, name=f"wide:n{EAGLE2_WIDE_NODES}")
+        return Eagle2Policy(wide, self.res.default_tree(stats).num_nodes)
+
+    def make_chooser(self, streams, stream_ids, batch_size, max_new_tokens):
+        return self.policy()
+
+
+class _Adaptive(ReferenceSystem):
+    def make_chooser(self, streams, stream_ids, batch_size, max_new_tokens):
+        return AdaptiveEMAPolicy(MAX_DEPTH, batch_size)
+
+
+class _EntMTP(ReferenceSystem):
+    def prepare(self, streams, batch_sizes, max_new_tokens):
+        super().prepare(streams, batch_sizes, max_new_tokens)
+        self.res.tree_set(self.drafter, streams.task, self.batch_sizes)
+
+    def make_chooser(self, streams, stream_ids, batch_size, max_new_tokens):
+        return EntMTPPolicy(self.res.tree_set(self.drafter, streams.task, self.batch_sizes))
+
+
+class _Oracle(ReferenceSystem):
+    def prepare(self, streams, batch_sizes, max_new_tokens):
+        super().prepare(streams, batch_sizes, max_new_tokens)
+        self.res.tree_set(self.drafter, streams.task, self.batch_sizes)
+        self.res.ranks(self.drafter, streams, max_new_tokens)
+
+    def make_chooser(self, streams, stream_ids, batch_size, max_new_tokens):
+        ts = self.res.tree_set(self.drafter, streams.task, self.batch_sizes)
+        ranks = self.res.ranks(self.drafter, streams, max_new_tokens)
+
+        class PerSegment:
+            def segment(self, j: int):
+                rows = [ranks.get((i, j), []) for i in stream_ids]
+                lens = [len(streams.streams[i].segments[j]) for i in stream_ids]
+                return OraclePolicy(ts, rows, lens)
+
+        return PerSegment()
+
+
+register_system("plain", "reference", _Plain.description)(_Plain)
+_KINDS = {
+    "static": (_Static, "default static tree (Medusa/Hydra construction from per-head accuracy)"),
+    "eagle2": (_Eagle2, "EAGLE-2 style dynamic tree: wide draft, verify the most confident nodes"),
+    "adaptive": (_Adaptive, "SGLang --speculative-adaptive rule (EMA of accepted length -> chain depth)"),
+    "entmtp": (_EntMTP, "EntMTP: entropy -> tree from the task's Pareto set (+ no speculation), costs "
+                        "measured here"),
+    "oracle": (_Oracle, "best tree of the EntMTP set at every step, in hindsight (ceiling)"),
+}
+for _kind, (_cls, _desc) in _KINDS.items():
+    for _drafter in ("medusa", "hydra"):
+        register_system(f"{_kind}-{_drafter}", "reference", f"{_desc}; {_drafter} drafter")(
+            lambda ctx, c=_cls, d=_drafter, desc=_desc: _with_desc(c(ctx, d), f"{desc}; {d} drafter"))
+register_system("eagle2-eagle", "reference", f"{_KINDS['eagle2'][1]}; EAGLE drafter")(
+    lambda ctx: _with_desc(_Eagle2(ctx, "eagle"), f"{_KINDS['eagle2'][1]}; EAGLE drafter"))
+
+
+def _with_desc(system: System, description: str) -> System:
+    system.description = description
+    return system
+
