@@ -13,10 +13,27 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# SGLang 0.5.23 for CPU serving: the wheel without its CUDA-only dependencies, then the rest pinned
+# (requirements/sglang-cpu.txt), never changing the torch/transformers/xgrammar pins above.
+SGL_STAMP := $(VENV)/.sglang-installed
+$(SGL_STAMP): $(STAMP) requirements/sglang-cpu.txt requirements/constraints.txt
+	$(BIN)/pip install -q --no-deps sglang==0.5.23
+	$(BIN)/pip install -q -r requirements/sglang-cpu.txt -c requirements/constraints.txt
+	touch $(SGL_STAMP)
+
+sglang: $(SGL_STAMP)
+
+# Serve the bundled model with ENTMTP on this CPU (Ctrl-C stops it).
+serve: $(SGL_STAMP)
+	SGLANG_USE_CPU_ENGINE=1 $(BIN)/python -m sglang.launch_server --model-path $(MODEL) \
+	    --speculative-algorithm ENTMTP --speculative-draft-model-path $(MODEL)/eagle \
+	    --device cpu --attention-backend entmtp_torch --disable-cuda-graph --sleep-on-idle \
+	    --max-total-tokens 20000 --port 30000
+
 demo: $(STAMP)
 	$(BIN)/entmtp generate --prompt 'def fibonacci(n):' --drafter hydra --tree chain:4 --max-new-tokens 64
 
-test: $(STAMP)
+test: $(STAMP) $(SGL_STAMP)
 	$(BIN)/python -m pytest -q
 
 test-slow: $(STAMP)
@@ -39,4 +56,4 @@ trees: $(STAMP)
 bench-policies: $(STAMP)
 	$(BIN)/python bench/policies.py
 
-.PHONY: install demo test test-slow model trees bench-policies
+.PHONY: install sglang serve demo test test-slow model trees bench-policies

@@ -15,9 +15,11 @@ logger = logging.getLogger("entmtp_sglang.sglang")
 _DONE = False
 
 # Functions we wrap with SGLang's HookRegistry, with the parameters we rely on. Checked at load.
+DRAFT_BACKEND_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
+OUTPUT_STREAMER = "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class"
 HOOKED = {
-    "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend":
-        ("self", "backend_name", "backend_map", "error_template", "stamps_children"),
+    DRAFT_BACKEND_FACTORY: ("self", "backend_name", "backend_map", "error_template", "stamps_children"),
+    OUTPUT_STREAMER: ("self",),
 }
 
 
@@ -69,9 +71,12 @@ def _register_attention() -> None:
         choices.add_attention_backend_choices([NAME])
     if NAME not in choices.DRAFT_ATTENTION_BACKEND_CHOICES:
         choices.add_draft_attention_backend_choices([NAME])
+    from .visibility import output_streamer_hook
+
     for dotted, params in HOOKED.items():
         check_signature(dotted, params)
-    HookRegistry.register(next(iter(HOOKED)), _draft_backend_around, HookType.AROUND)
+    HookRegistry.register(DRAFT_BACKEND_FACTORY, _draft_backend_around, HookType.AROUND)
+    HookRegistry.register(OUTPUT_STREAMER, output_streamer_hook, HookType.AFTER)
 
 
 def register() -> None:

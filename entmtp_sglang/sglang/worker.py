@@ -28,6 +28,7 @@ from .attention import MultiStepDraftBackend
 from .config import EntMtpConfig
 from .sglang_api import (EAGLEWorkerV2, ForwardContext, forward_context, get_context,
                          per_step_draft_out_cache_loc)
+from . import visibility
 from .tree_plan import plan_tree
 
 logger = logging.getLogger("entmtp_sglang.sglang")
@@ -48,6 +49,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.last_log = time.monotonic()
         self._plan = self.plans[-1]
         self._last_extend = None
+        self._step_reqs: list = []
         dw = self._draft_worker
         if dw is not None:
             dw.draft_forward = self._draft_forward_tree
@@ -73,36 +75,55 @@ class EntMtpWorker(EAGLEWorkerV2):
 
     def _choose(self, batch) -> None:
         reqs = batch.reqs
-        hs = [self.entropy.get(r.rid) for r in reqs]
-        known = [h for h in hs if h is not None]
-        h = sum(known) / len(known) if known else float("inf")
-        idx = select_tree(self.tree_set, h, len(reqs), self.current, self.config.hysteresis,
-                          max_nodes=self.config.max_nodes)
-        self.current = idx
-        plan = self.plans[idx]
+        plan, h = None, float("nan")
+        try:
+            hs = [self.entropy.get(r.rid) for r in reqs]
+            known = [h for h in hs if h is not None]
+            h = sum(known) / len(known) if known else float("inf")
+            room = min(self._room(r) for r in reqs)
+            cap = room if self.config.max_nodes is None else min(room, self.config.max_nodes)
+            if cap >= min(p.num_nodes for p in self.plans):
+                idx = select_tree(self.tree_set, h, len(reqs), self.current, self.config.hysteresis, max_nodes=cap)
+                self.current = idx
+                plan = self.plans[idx]
+        except Exception:   # the policy must never fail a request: decode plainly this step
+            logger.exception("ENTMTP: tree choice failed; this step decodes without speculation")
         self._plan = plan
-        self.histogram[plan.tree.name] += 1
+        name = plan.tree.name if plan is not None else "plain"
+        n, steps = (plan.num_nodes, plan.num_steps) if plan is not None else (1, 0)
+        self.histogram[name] += 1
         self.steps += 1
+        self._step_reqs = list(reqs)
         for r in reqs:
-            trees = getattr(r, "entmtp_trees", None)
-            if trees is None:
-                trees = r.entmtp_trees = collections.Counter()
-            trees[plan.tree.name] += 1
-        n, steps = plan.num_nodes, plan.num_steps
+            visibility.note(r, visibility.TREES, name)
         dw = self._draft_worker
         if (self.speculative_num_draft_tokens, self.speculative_num_steps) != (n, steps):
             self.speculative_num_draft_tokens = dw.speculative_num_draft_tokens = n
             self.speculative_num_steps = dw.speculative_num_steps = steps
             get_context().override("entmtp.tree", speculative_num_draft_tokens=n, speculative_num_steps=steps)
-        backend = dw.draft_attn_backend
-        if not isinstance(backend, MultiStepDraftBackend):
-            raise RuntimeError("ENTMTP drafts fixed trees with the entmtp_torch attention backend; start the "
-                               f"server with --attention-backend entmtp_torch (draft backend: {type(backend).__name__})")
-        backend.set_draft_rows(*_row_tensors(plan))
+        if plan is not None and steps > 1:
+            backend = dw.draft_attn_backend
+            if not isinstance(backend, MultiStepDraftBackend):
+                raise RuntimeError("ENTMTP drafts fixed trees with the entmtp_torch attention backend; start "
+                                   "the server with --attention-backend entmtp_torch (draft backend: "
+                                   f"{type(backend).__name__})")
+            backend.set_draft_rows(*_row_tensors(plan))
         if time.monotonic() - self.last_log > self.config.log_interval_s:
             self.last_log = time.monotonic()
-            logger.info("ENTMTP trees chosen over %d steps: %s", self.steps,
-                        ", ".join(f"{k}={v}" for k, v in self.histogram.most_common()))
+            logger.info("ENTMTP trees chosen over %d steps: %s (last batch draft entropy %.2f nats)", self.steps,
+                        ", ".join(f"{k}={v}" for k, v in self.histogram.most_common()), h)
+
+    def _room(self, req) -> int:
+        """KV positions left before the context limit: every node of a tree takes one while verifying."""
+        ctx = self.target_worker.model_config.context_len
+        return max(ctx - len(req.origin_input_ids) - len(req.output_ids), 1)
+
+    def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int = 0) -> None:
+        super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size)
+        reqs, self._step_reqs = self._step_reqs, []
+        if len(reqs) == len(num_correct_drafts_per_req):
+            for r, n in zip(reqs, num_correct_drafts_per_req):
+                visibility.note(r, visibility.ACCEPTED, int(n))
 
     def _record_entropy(self, batch) -> None:
         out = self._last_extend

@@ -1,0 +1,144 @@
+"""Start SGLang servers on this machine and talk to them: used by the tests, the benchmarks and the docs.
+
+    with SGLangServer.cpu(speculative="ENTMTP", port=31010) as srv:
+        out = srv.generate("def f(x):", max_new_tokens=32)
+
+`SGLangServer.cpu(...)` builds the command line SGLang needs on a CPU (SGLANG_USE_CPU_ENGINE=1,
+`--device cpu`, our `entmtp_torch` attention backend, no CUDA graphs, `--sleep-on-idle` so an idle
+scheduler does not spin a core) for the bundled model and its EAGLE drafter. Only the standard library
+is used to talk HTTP; SGLang itself runs in the child process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from ..model.load import BUNDLED_MODEL
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def cpu_args(speculative: str | None, *, model: Path = BUNDLED_MODEL, steps: int = 3, topk: int = 1,
+             draft_tokens: int = 4, adaptive: bool = False, attention: str = "entmtp_torch",
+             max_total_tokens: int = 20000, extra: tuple[str, ...] = ()) -> list[str]:
+    """sglang.launch_server arguments for the bundled model on CPU."""
+    args = ["--model-path", str(model), "--device", "cpu", "--attention-backend", attention,
+            "--disable-cuda-graph", "--max-total-tokens", str(max_total_tokens), "--sleep-on-idle",
+            "--log-level", "info"]
+    if speculative:
+        args += ["--speculative-algorithm", speculative, "--speculative-draft-model-path", str(model / "eagle")]
+    if speculative == "EAGLE":
+        args += ["--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
+                 "--speculative-num-draft-tokens", str(draft_tokens)]
+        if adaptive:
+            args.append("--speculative-adaptive")
+    return args + list(extra)
+
+
+class SGLangServer:
+    def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None,
+                 log_path: Path | None = None, timeout_s: float = 600.0):
+        self.args, self.port = list(args), port
+        self.env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
+        self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix=f"sglang-{port}-",
+                                                                             suffix=".log")[1])
+        self.timeout_s = timeout_s
+        self.proc: subprocess.Popen | None = None
+
+    @classmethod
+    def cpu(cls, speculative: str | None = None, port: int = 31000, env: dict[str, str] | None = None,
+            log_path: Path | None = None, **kw) -> "SGLangServer":
+        return cls(cpu_args(speculative, **kw), port, env, log_path)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, wait: bool = True) -> "SGLangServer":
+        cmd = [sys.executable, "-m", "sglang.launch_server", *self.args, "--port", str(self.port)]
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        if wait:
+            self.wait_ready()
+        return self
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"SGLang exited with code {self.proc.returncode} during start-up:\n"
+                                  f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        self.stop()
+        raise ServerError(f"SGLang did not become ready in {self.timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def exit_code(self, timeout_s: float = 300.0) -> int:
+        """For servers expected to fail at start-up: wait for the exit and return its code."""
+        try:
+            return self.proc.wait(timeout_s)
+        finally:
+            self.stop()
+
+    def log_text(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_text().splitlines()[-n:])
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if getattr(self, "_log", None) is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> "SGLangServer":
+        return self.start() if self.proc is None else self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # -- requests -----------------------------------------------------------------------------------
+    def post(self, path: str, payload: dict | None = None, timeout_s: float = 600.0) -> dict:
+        data = json.dumps(payload or {}).encode()
+        req = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s) as r:
+                body = r.read()
+        except urllib.error.HTTPError as e:
+            raise ServerError(f"{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
+        return json.loads(body) if body else {}
+
+    def generate(self, text: str, max_new_tokens: int = 32, temperature: float = 0.0, **sampling) -> dict:
+        params = {"temperature": temperature, "max_new_tokens": max_new_tokens, **sampling}
+        return self.post("/generate", {"text": text, "sampling_params": params})
+
+    def server_info(self) -> dict:
+        with urllib.request.urlopen(self.url + "/get_server_info", timeout=60) as r:
+            info = json.loads(r.read())
+        states = info.get("internal_states") or [{}]
+        return {**info, **states[0]}
