@@ -14,6 +14,7 @@ is reported. The mixed stream runs prose, JSON and code segments through one pol
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -23,15 +24,15 @@ from pathlib import Path
 
 import torch
 
-from entmtp_sglang.calibrate import (CalibrationConfig, PositionRecord, load_records, measure_cost,
-                                     record_positions, simulate)
+from entmtp_sglang.calibrate import (CalibrationConfig, PositionRecord, fit_step_cost, load_records,
+                                     measure_step_costs, record_positions, simulate)
 from entmtp_sglang.engine.engine import Engine
 from entmtp_sglang.model.load import load_bundle
 from entmtp_sglang.policy.policies import AdaptiveEMAPolicy, EntMTPPolicy, OraclePolicy, StaticPolicy
 from entmtp_sglang.tasks import load_prompts
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.construct import accepted_on, independent_tree
-from entmtp_sglang.tree.treeset import TreeEntry, load_tree_set
+from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, load_tree_set
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ("code", "math", "chat", "prose", "json", "mixed")
@@ -46,6 +47,12 @@ def head_accuracy(records: list[PositionRecord], max_rank: int) -> list[list[flo
             if rank < max_rank:
                 acc[d][rank] += 1 / len(records)
     return acc
+
+
+def with_costs(ts: TreeSet, cost) -> TreeSet:
+    """The tree set with every tree's batch-1 cost taken from `cost` (a model fitted on this machine now)."""
+    return dataclasses.replace(ts, trees=tuple(TreeEntry(e.tree, e.expected_accepted, {1: cost(e.tree)})
+                                               for e in ts.trees))
 
 
 def task_items(task: str, n: int) -> list[list[dict]]:
@@ -100,12 +107,20 @@ def main(argv=None) -> int:
         acc = head_accuracy(mix, 6)
         calib_prompts = [tok.encode(it["prompt"]).ids[-300:] for it in load_prompts("code", "calib", 4)]
         cands = [independent_tree(acc, n, name=f"default:n{n}") for n in (4, 8, 16, 32)]
-        costs = [measure_cost(bundle, t, calib_prompts, 1) for t in cands]
-        values = [sum(accepted_on(t, r.ranks) + 1 for r in mix) / len(mix) / c for t, c in zip(cands, costs)]
+        # one in-situ step-cost model for every tree of this run: the default candidates, every tree of
+        # every tree set and the chains, timed interleaved in real engine steps (see measure_step_costs)
+        sets = {task: load_tree_set(ROOT / "trees" / f"entmtp-tiny-{drafter}-{task}.json", drafter=drafter)
+                for task in args.tasks}
+        timed = {t.parents: t for t in cands + [Tree.chain(d) for d in range(depth + 1)]
+                 + [e.tree for ts in sets.values() for e in ts.trees]}
+        medians = measure_step_costs(bundle, list(timed.values()), calib_prompts, 1)
+        cost = fit_step_cost(list(timed.values()), [medians[k] for k in timed])
+        print(f"[{drafter}] step seconds ~ {cost.to_json()} (in situ, {len(timed)} trees)", flush=True)
+        values = [sum(accepted_on(t, r.ranks) + 1 for r in mix) / len(mix) / cost(t) for t in cands]
         default = cands[max(range(len(cands)), key=lambda i: values[i])]
         print(f"[{drafter}] default static tree {default.name}: {default.parents}", flush=True)
         for task in args.tasks:
-            ts = load_tree_set(ROOT / "trees" / f"entmtp-tiny-{drafter}-{task}.json", drafter=drafter)
+            ts = with_costs(sets[task], cost)  # EntMTP and the oracle see the costs measured here
             streams = [[tok.encode(it["prompt"]).ids[-(512 - args.max_new_tokens - 8):] for it in segs]
                        for segs in task_items(task, args.prompts)]
             flat = [seg for segs in streams for seg in segs]
@@ -115,7 +130,7 @@ def main(argv=None) -> int:
             for r in recs:
                 by_prompt.setdefault(r.prompt, []).append(list(r.ranks))
             pool = [e.tree for e in ts.trees] + [default] + [Tree.chain(d) for d in range(1, depth + 1)]
-            entries = [TreeEntry(t, (0.0,), {1: measure_cost(bundle, t, calib_prompts, 1)}) for t in pool]
+            entries = [TreeEntry(t, (0.0,), {1: cost(t)}) for t in pool]
             sims = [simulate(recs, lambda rec, hist, e=e: e) for e in entries]
             # static-best in hindsight: the best simulated trees, then the best of them measured for real
             top = sorted(range(len(pool)), key=lambda i: -sims[i][0] / sims[i][2])[:4]
@@ -164,6 +179,7 @@ def main(argv=None) -> int:
                     "repeats": [round(r["tokens_per_s"], 2) for r in rs],
                     "trees_chosen": rs[-1]["trees_chosen"], "static_best_tree": static_best.name,
                     "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "commit": commit,
+                    "step_cost_model": cost.to_json(),
                     "machine": f"{torch.get_num_threads()} threads",
                 }
                 rows.append(row)

@@ -8,9 +8,11 @@
 2. Pick the entropy signal that best predicts acceptance (most negative correlation) and split its
    range into quantile bins.
 3. Per bin and node budget, build the tree that maximises the empirical expected accepted length.
-4. Measure the step time of trees on this machine (batch 1, 8, 32), fit a cost model, keep the trees
-   that lie on some bin's Pareto frontier (cost vs. expected tokens per step) or are some bin's best
-   value, then measure the kept trees directly and write the tree set (+ a Pareto plot).
+4. Measure the step time of the candidate trees in situ (real engine steps, all trees interleaved
+   step by step so they share the machine's conditions; batch 1, 8, 32), fit
+   seconds = base + per_node * nodes + per_depth * depth, keep the trees that lie on some bin's Pareto
+   frontier (cost vs. expected tokens per step) or are some bin's best value, and write the tree set
+   with the fitted costs (+ a Pareto plot).
 """
 
 from __future__ import annotations
@@ -191,6 +193,100 @@ def _measure_cost(bundle: Bundle, tree: Tree, prompts: list[list[int]], batch_si
     return statistics.median(times)
 
 
+def measure_step_costs(bundle: Bundle, trees: list[Tree], prompts: list[list[int]], batch_size: int,
+                       samples_per_tree: int = 7, max_new_tokens: int = 48) -> dict[tuple[int, ...], float]:
+    """Median wall time of one real engine step (draft + verify + commit, as `StepRecord.seconds`) per
+    tree, in situ: one `generate` run cycles through all the trees step by step, so every tree is timed
+    under the same conditions (contention, cache state, sequence length) instead of in separate loops.
+
+    Returns {tree.parents: median seconds}."""
+    engine = Engine(bundle.target, bundle.drafter_kind, bundle.drafter, None)
+    times: dict[tuple[int, ...], list[float]] = {t.parents: [] for t in trees}
+    run = 0
+    while min(len(v) for v in times.values()) < samples_per_tree:
+        batch = [prompts[(run + i) % len(prompts)] for i in range(batch_size)]
+        chosen: list[Tree] = []
+
+        def cycle(view, run=run):
+            if view.index == 0:
+                chosen.append(trees[(len(view.history) + run) % len(trees)])
+            return chosen[-1]
+
+        res = engine.generate(batch, max_new_tokens, cycle)
+        full = min(len(r.steps) for r in res)  # steps with the whole batch still running
+        for tree, step in list(zip(chosen, res[0].steps[:full]))[1:]:  # the first step warms up
+            times[tree.parents].append(step.seconds)
+        run += 1
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+@dataclass(frozen=True)
+class StepCostModel:
+    """Seconds of one engine step: base + per_node * num_nodes + per_depth * max_depth (coefficients >= 0).
+
+    per_depth carries the sequential drafting of Hydra and EAGLE (one drafter call per tree level)."""
+
+    base: float
+    per_node: float
+    per_depth: float
+
+    def __call__(self, tree: Tree) -> float:
+        return self.base + self.per_node * tree.num_nodes + self.per_depth * tree.max_depth
+
+    def to_json(self) -> dict:
+        return {"base": round(self.base, 7), "per_node": round(self.per_node, 7),
+                "per_depth": round(self.per_depth, 7)}
+
+
+def fit_step_cost(trees: list[Tree], seconds: list[float]) -> StepCostModel:
+    """Least squares of seconds on (1, num_nodes, max_depth); a coefficient that comes out negative
+    (noise) is dropped and the rest refitted."""
+    cols = [0, 1, 2]
+    feats = [[1.0, float(t.num_nodes), float(t.max_depth)] for t in trees]
+    y = torch.tensor(seconds, dtype=torch.float64).unsqueeze(1)
+    while True:
+        x = torch.tensor([[f[c] for c in cols] for f in feats], dtype=torch.float64)
+        coef = torch.linalg.lstsq(x, y).solution.squeeze(1).tolist()
+        bad = [c for c, v in zip(cols, coef) if v < 0 and c != 0]
+        if not bad:
+            break
+        cols.remove(bad[0])
+    full = dict(zip(cols, coef))
+    base = max(full.get(0, 0.0), 0.25 * min(seconds))
+    return StepCostModel(base, full.get(1, 0.0), full.get(2, 0.0))
+
+
+def cost_grid(max_depth: int, max_nodes: int = 32) -> list[Tree]:
+    """Trees that vary the node count and the depth independently (a chain with extra root children),
+    so the fit can separate per-node (verification width) from per-depth (sequential drafting) cost."""
+    out = {}
+    for d in range(max_depth + 1):
+        for n in sorted({d + 1, 8, 16, max_nodes}):
+            if n >= d + 1 and (d > 0 or n == 1):
+                parents = (-1,) + tuple(range(d)) + (0,) * (n - d - 1)
+                out[parents] = Tree(parents, name=f"grid:n{n}d{d}")
+    return list(out.values())
+
+
+_STEP_COST_CACHE: dict[tuple, StepCostModel] = {}
+
+
+def step_cost_models(bundle: Bundle, prompts: list[list[int]], batch_sizes=COST_BATCHES, max_depth: int = 5,
+                     log=print) -> dict[int, StepCostModel]:
+    """In-situ step-cost model per batch size, measured on `cost_grid` (cached per model and drafter
+    within a process: the cost depends on the tree's shape, not on the task)."""
+    out = {}
+    grid = cost_grid(min(max_depth, getattr(bundle.drafter, "max_depth", max_depth)))
+    for bsz in batch_sizes:
+        key = (str(getattr(bundle, "path", "")), bundle.drafter_kind, bsz)
+        if key not in _STEP_COST_CACHE:
+            medians = measure_step_costs(bundle, grid, prompts, bsz)
+            _STEP_COST_CACHE[key] = fit_step_cost(grid, [medians[t.parents] for t in grid])
+            log(f"batch {bsz}: step seconds ~ {_STEP_COST_CACHE[key].to_json()} (in situ, {len(grid)} trees)")
+        out[bsz] = _STEP_COST_CACHE[key]
+    return out
+
+
 def fit_cost_model(samples: list[tuple[Tree, float]]):
     """Least squares: seconds ~ a + b * num_nodes + c * max_depth."""
     x = torch.tensor([[1.0, t.num_nodes, t.max_depth] for t, _ in samples], dtype=torch.float64)
@@ -239,14 +335,8 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
     for d in range(1, depth + 1):
         cands.setdefault(Tree.chain(d).parents, Tree.chain(d))
     trees = list(cands.values())
-    log(f"{len(trees)} candidate trees; measuring reference costs")
-
-    refs = sorted(trees, key=lambda t: t.num_nodes)
-    refs = [refs[i] for i in sorted({round(i * (len(refs) - 1) / 5) for i in range(6)})]
-    models = {}
-    for bsz in COST_BATCHES:
-        samples = [(t, measure_cost(bundle, t, prompts, bsz)) for t in refs]
-        models[bsz] = fit_cost_model(samples)
+    log(f"{len(trees)} candidate trees; step costs from the in-situ model")
+    models = step_cost_models(bundle, prompts, COST_BATCHES, depth, log)
     value = {id(t): [[(expected_accepted(t, recs) + 1) / models[bsz](t) for bsz in COST_BATCHES]
                      for recs in bins] for t in trees}
     keep: set[int] = set()
@@ -264,7 +354,7 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
     entries = []
     for i in sorted(chosen, key=lambda i: trees[i].num_nodes):
         t = trees[i]
-        costs = {bsz: measure_cost(bundle, t, prompts, bsz) for bsz in COST_BATCHES}
+        costs = {bsz: models[bsz](t) for bsz in COST_BATCHES}
         entries.append(TreeEntry(t, tuple(expected_accepted(t, recs) for recs in bins), costs))
     all_points = {
         "trees": [{"name": t.name, "nodes": t.num_nodes, "cost1": models[1](t),
@@ -277,6 +367,7 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
         provenance={"prompts": len(prompts), "positions": len(records), "split": "calib",
                     "max_new_tokens": cfg.max_new_tokens, "max_rank": cfg.max_rank,
                     "signal_correlations": corr, "bin_sizes": [len(b) for b in bins],
+                    "step_cost_model": {str(b): m.to_json() for b, m in models.items()},
                     "commit": git_commit(), "created": time.strftime("%Y-%m-%d %H:%M:%S")})
     return ts, all_points
 

@@ -117,6 +117,9 @@ def _add_calibrate(sub) -> None:
                         "grammar-masked entropy and ranks; writes ...-json-grammar.json")
     p.add_argument("--out", type=Path, default=None,
                    help="output JSON (default: trees/<model>-<drafter>-<task>.json in the repository)")
+    p.add_argument("--from-records", action="store_true",
+                   help="reuse the acceptance records saved next to the output (...records.jsonl) instead of "
+                        "decoding again; only the step costs are measured anew")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
 
 
@@ -124,7 +127,8 @@ def _calibrate(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from .calibrate import CalibrationConfig, build_tree_set, plot_pareto, record_positions, save_records
+    from .calibrate import (CalibrationConfig, build_tree_set, load_records, plot_pareto, record_positions,
+                            save_records)
     from .model.load import load_bundle
     from .tasks import TASKS, interleave, load_prompts
 
@@ -156,10 +160,17 @@ def _calibrate(args) -> int:
             prompts = [bundle.tokenizer.encode(it["prompt"]).ids[-room:] for it in items]
             cfg = CalibrationConfig(args.drafter, "json-grammar", len(prompts), args.max_new_tokens,
                                     num_bins=args.bins)
-        with tqdm(total=len(prompts), desc=f"calibrate {args.drafter}/{cfg.task}", unit="prompt") as bar:
-            records = record_positions(bundle, prompts, cfg, bar, make_grammars)
+        out = args.out or Path("trees") / f"{bundle.path.name}-{args.drafter}-{cfg.task}.json"
+        if args.from_records:
+            try:
+                records = load_records(out.with_suffix(".records.jsonl"))
+            except OSError as e:
+                print(f"error: --from-records: {e}", file=sys.stderr)
+                return 2
+        else:
+            with tqdm(total=len(prompts), desc=f"calibrate {args.drafter}/{cfg.task}", unit="prompt") as bar:
+                records = record_positions(bundle, prompts, cfg, bar, make_grammars)
         ts, points = build_tree_set(bundle, records, prompts, cfg, log=tqdm.write)
-        out = args.out or Path("trees") / f"{ts.model}-{args.drafter}-{cfg.task}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         ts.save(out)
         plot_pareto(points, ts, out.with_suffix(".png"))

@@ -162,3 +162,30 @@ def test_entmtp_policy_picks_by_entropy():
     assert pol(_view(draft_entropy=0.1)).name == "chain:4"
     assert pol(_view(draft_entropy=5.0)).name == "chain:0"
     assert StaticPolicy(Tree.chain(2))(_view()).name == "chain:2"
+
+
+def test_step_cost_fit_recovers_a_linear_cost_and_drops_negative_terms():
+    from entmtp_sglang.calibrate import fit_step_cost
+
+    trees = [Tree.chain(0), Tree.chain(2), Tree.chain(4), Tree((-1, 0, 0, 0, 1, 2)), Tree((-1, 0, 0, 0, 0, 0, 0))]
+    seconds = [0.010 + 0.0005 * t.num_nodes + 0.003 * t.max_depth for t in trees]
+    m = fit_step_cost(trees, seconds)
+    assert m.base == pytest.approx(0.010) and m.per_node == pytest.approx(0.0005)
+    assert m.per_depth == pytest.approx(0.003)
+    # cost falling with depth is noise: the depth term is dropped, never negative
+    m = fit_step_cost(trees, [0.02 - 0.001 * t.max_depth for t in trees])
+    assert m.per_depth == 0.0 and m.per_node >= 0.0 and all(m(t) > 0 for t in trees)
+
+
+def test_step_costs_are_measured_in_situ_for_every_tree(random_models):
+    from types import SimpleNamespace
+
+    from entmtp_sglang.calibrate import measure_step_costs
+
+    target, drafters = random_models
+    bundle = SimpleNamespace(target=target, drafter_kind="hydra", drafter=drafters["hydra"])
+    trees = [Tree.chain(0), Tree.chain(3), Tree((-1, 0, 0, 1, 1))]
+    for batch in (1, 3):
+        costs = measure_step_costs(bundle, trees, [[5, 6, 7], [8, 9]], batch, samples_per_tree=3,
+                                   max_new_tokens=20)
+        assert set(costs) == {t.parents for t in trees} and all(c > 0 for c in costs.values())
