@@ -51,7 +51,9 @@ def servers(tmp_path_factory):
     # differently, which flips near-tied argmaxes (seen: 1 prompt in 25); that is numerics, not speculation.
     f32 = ("--dtype", "float32")
     plain = SGLangServer.cpu(None, port=31101, attention="torch_native", log_path=logs / "plain.log", extra=f32)
-    ent = SGLangServer.cpu("ENTMTP", port=31102, log_path=logs / "entmtp.log", extra=f32,
+    # compact JSON under schemas (no free whitespace), as the reference engine's compact mode
+    ent = SGLangServer.cpu("ENTMTP", port=31102, log_path=logs / "entmtp.log",
+                           extra=f32 + ("--constrained-json-disable-any-whitespace",),
                            env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"})
     plain.start(wait=False)
     ent.start(wait=False)
@@ -101,7 +103,7 @@ def test_json_schema_requests_return_valid_json(servers):
     for item in load_prompts("json", "test", 4):
         schema = load_schema(item)
         out = ent.post("/generate", {"text": item["prompt"], "sampling_params": {
-            "temperature": 0, "max_new_tokens": 256, "json_schema": json.dumps(schema)}})
+            "temperature": 0, "max_new_tokens": 384, "json_schema": json.dumps(schema)}})
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]["finish_reason"]
         jsonschema.validate(json.loads(out["text"]), schema)
 
@@ -123,7 +125,7 @@ def test_frontend_program_against_the_server(servers):
         s += f"User: Write the version of {name}.\nAssistant: version "
         s += sgl.gen("version", max_tokens=16, regex=r"[0-9]+\.[0-9]+\.[0-9]+", temperature=0)
         s += "\nJSON: "
-        s += sgl.gen("doc", max_tokens=64, temperature=0,
+        s += sgl.gen("doc", max_tokens=160, temperature=0,
                      json_schema=json.dumps({"type": "object", "properties": {"name": {"type": "string"}},
                                              "required": ["name"]}))
 
@@ -134,7 +136,7 @@ def test_frontend_program_against_the_server(servers):
 
 def test_64_concurrent_mixed_requests_leak_no_kv(servers):
     _, ent = servers
-    texts = prompts(8)[:48]
+    texts = prompts(10)[:48]
     jobs = [{"text": t, "sampling_params": {"temperature": 0, "max_new_tokens": 24}} for t in texts]
     for item in load_prompts("json", "test", 16):
         jobs.append({"text": item["prompt"], "sampling_params": {
@@ -154,22 +156,38 @@ def test_64_concurrent_mixed_requests_leak_no_kv(servers):
     assert info["memory_usage"]["token_capacity"] > 0
 
 
-def test_sglang_engine_api_with_entmtp(servers, reference):
-    import sglang as sgl
+ENGINE_SCRIPT = """
+import json, os, sys
+import sglang as sgl
+from entmtp_sglang.model.load import BUNDLED_MODEL
+prompts = json.loads(sys.argv[1])
+engine = sgl.Engine(model_path=str(BUNDLED_MODEL), device="cpu", attention_backend="entmtp_torch",
+                    dtype="float32", disable_cuda_graph=True, max_total_tokens=20000, sleep_on_idle=True,
+                    speculative_algorithm="ENTMTP", speculative_draft_model_path=str(BUNDLED_MODEL / "eagle"))
+try:
+    outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": int(sys.argv[2])})
+    print("RESULT " + json.dumps([[o["output_ids"], o["meta_info"].get("entmtp_trees", [])] for o in outs]))
+finally:
+    engine.shutdown()
+"""
 
-    from entmtp_sglang.model.load import BUNDLED_MODEL
 
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"
-    engine = sgl.Engine(model_path=str(BUNDLED_MODEL), device="cpu", attention_backend="entmtp_torch", dtype="float32",
-                        disable_cuda_graph=True, max_total_tokens=20000, sleep_on_idle=True,
-                        speculative_algorithm="ENTMTP",
-                        speculative_draft_model_path=str(BUNDLED_MODEL / "eagle"))
-    try:
-        ps = list(reference)[:6]
-        outs = engine.generate(ps, {"temperature": 0, "max_new_tokens": MAX_NEW})
-        assert [o["output_ids"] for o in outs] == [reference[p] for p in ps]
-    finally:
-        engine.shutdown()
+def test_sglang_engine_api_with_entmtp(reference, tmp_path):
+    """sglang.Engine in a fresh interpreter, as a user would run it (SGLANG_USE_CPU_ENGINE=1 set first)."""
+    import subprocess
+    import sys
+
+    ps = list(reference)[:6]
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_SCRIPT)
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    proc = subprocess.run([sys.executable, str(script), json.dumps(ps), str(MAX_NEW)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-3000:]
+    outs = json.loads(lines[-1][len("RESULT "):])
+    assert [o[0] for o in outs] == [reference[p] for p in ps]
+    assert all(o[1] for o in outs)          # trees reported through the Engine API too
 
 
 @pytest.mark.parametrize("problem", ["malformed", "other-model"])
@@ -191,3 +209,17 @@ def test_bad_tree_set_fails_at_start_up_with_a_clear_message(tmp_path, problem):
     assert srv.exit_code() != 0
     assert re.search(expect, srv.log_text()), srv.log_tail()
     assert "ENTMTP cannot start" in srv.log_text()
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["eagle-static", "eagle-adaptive"])
+def test_sglang_eagle_runs_correctly_through_entmtp_torch(servers, reference, tmp_path, adaptive):
+    """SGLang's own EAGLE (static tree, topk 2) and --speculative-adaptive on the same CPU backend."""
+    srv = SGLangServer.cpu("EAGLE", port=31104 + adaptive, steps=3, topk=1 if adaptive else 2,
+                           draft_tokens=4 if adaptive else 6, adaptive=adaptive,
+                           log_path=tmp_path / "eagle.log", extra=("--dtype", "float32"))
+    with srv:
+        ps = list(reference)[:8]
+        outs = [srv.generate(p, MAX_NEW) for p in ps]
+    assert [o["output_ids"] for o in outs] == [reference[p] for p in ps]
+    acc = [o["meta_info"]["spec_accept_length"] for o in outs if o["meta_info"].get("spec_verify_ct")]
+    assert sum(acc) / len(acc) > 1.2, acc

@@ -49,7 +49,8 @@ class SGLangServer:
     def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None,
                  log_path: Path | None = None, timeout_s: float = 600.0):
         self.args, self.port = list(args), port
-        self.env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1", **(env or {})}
+        cpu = "--device" in args and args[args.index("--device") + 1] == "cpu"
+        self.env = {**os.environ, **({"SGLANG_USE_CPU_ENGINE": "1"} if cpu else {}), **(env or {})}
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix=f"sglang-{port}-",
                                                                              suffix=".log")[1])
         self.timeout_s = timeout_s
