@@ -50,8 +50,9 @@ def add_parser(sub) -> None:
                     "prompt sets, side by side.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="a short run: batch 1 and 32, 2 streams per task, 32 new tokens, 2 repeats "
-                        "(explicit options below still override)")
+                   help="a short run (< 10 minutes on 2 cores): all tasks, batch 1 and 32, 2 streams per task "
+                        "at batch 1, 24 new tokens, 2 repeats, oracle-hydra at batch 1 only (explicit options "
+                        "still override)")
     p.add_argument("--tasks", type=_csv(str), default=None,
                    help=f"comma-separated tasks (default: all: {','.join(TASKS)})")
     p.add_argument("--systems", type=_csv(str), default=None,
@@ -65,7 +66,10 @@ def add_parser(sub) -> None:
                    help=f"tokens per request (default: {d['max_new_tokens'].default})")
     p.add_argument("--prompts", type=int, default=None,
                    help=f"streams per task at batch 1; batch b uses max(prompts, b) (default: {d['prompts'].default})")
-    p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads per process (default: 1; 0 = torch's choice). One thread keeps "
+                        "timings steady on a shared machine: with 2 intra-op threads and other jobs running, "
+                        "steps were measured 5-8x slower than with 1")
     p.add_argument("--model", type=Path, default=None, help="model directory (default: the bundled entmtp-tiny)")
     p.add_argument("--out", type=Path, default=Path("bench/results"),
                    help="directory for the JSON lines, Markdown and PNGs (default: bench/results)")
@@ -94,7 +98,8 @@ def main(args) -> int:
             kw[opt] = getattr(args, opt)
     if custom:
         kw["name"] = "custom"
-    kw["threads"] = args.threads
+    if args.threads is not None:
+        kw["threads"] = args.threads
     kw["model_dir"] = str(args.model) if args.model else None
     try:
         cfg = BenchConfig(**kw)

@@ -18,9 +18,11 @@ class BenchConfig:
     repeats: int = 3
     max_new_tokens: int = 64
     prompts: int = 4  # streams per task at batch 1 (at batch b: max(prompts, b) streams, b at a time)
-    threads: int = 0  # torch CPU threads; 0 = torch's choice
+    threads: int = 1  # torch CPU threads (0 = torch's choice); see the --threads help
     cost_steps: int = 6  # engine steps timed per tree and batch size for the cost measurements
     cost_rounds: int = 2
+    oracle_max_batch: int = 0  # 0: the oracle runs at every batch size; else only up to this one
+    warmup: bool = True  # one short untimed call per system and batch size before timing
     name: str = "full"
     model_dir: str | None = None
 
@@ -43,6 +45,10 @@ class BenchConfig:
         return max(self.prompts, batch_size)
 
 
-QUICK = dict(repeats=2, max_new_tokens=32, prompts=2, batch_sizes=(1, 32), cost_steps=3, name="quick")
+# --quick: all tasks, batch 1 and 32, one oracle and only at batch 1 (its hindsight recording of every
+# stream is the slowest set-up step)
+QUICK = dict(repeats=2, max_new_tokens=24, prompts=2, batch_sizes=(1, 32), cost_steps=3, name="quick", oracle_max_batch=1,
+             systems=("plain", "static-medusa", "static-hydra", "eagle2-hydra", "adaptive-hydra", "entmtp-medusa",
+                      "entmtp-hydra", "oracle-hydra", "hf-greedy", "hf-prompt-lookup"))
 
 

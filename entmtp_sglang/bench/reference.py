@@ -221,7 +221,7 @@ class Resources:
             flat = [(i, j) for i, s in enumerate(streams) for j in range(len(s.segments))]
             prompts = [list(streams.streams[i].segments[j]) for i, j in flat]
             cfg = CalibrationConfig(drafter, streams.task, len(prompts), max_new_tokens, max_depth=MAX_DEPTH,
-                                    max_rank=MAX_RANK, batch_size=8)
+                                    max_rank=MAX_RANK, batch_size=32)
             rows: dict[tuple[int, int], list[list[int]]] = {k: [] for k in flat}
             for rec in record_positions(self.bundle(drafter), prompts, cfg):
                 rows[flat[rec.prompt]].append(list(rec.ranks))
@@ -340,6 +340,10 @@ class _EntMTP(ReferenceSystem):
 
 
 class _Oracle(ReferenceSystem):
+    def supports(self, batch_size: int) -> str | None:
+        limit = self.res.ctx.oracle_max_batch
+        return None if not limit or batch_size <= limit else f"oracle limited to batch <= {limit} (--quick)"
+
     def prepare(self, streams, batch_sizes, max_new_tokens):
         super().prepare(streams, batch_sizes, max_new_tokens)
         self.res.tree_set(self.drafter, streams.task, self.batch_sizes)

@@ -96,7 +96,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> BenchResult:
         torch.set_num_threads(cfg.threads)
     started = time.time()
     ctx = BenchContext(Path(cfg.model_dir) if cfg.model_dir else None, cfg.cost_steps, cfg.cost_rounds,
-                       log=log or tqdm.write)
+                       cfg.oracle_max_batch, log=log or tqdm.write)
     names = list(cfg.systems)
     systems: dict[str, System] = {n: make_system(n, ctx) for n in names}
     for s in list(systems.values()):  # every speedup needs its baseline in the same run
@@ -118,9 +118,12 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> BenchResult:
             bar.update()
             for name in order:
                 bar.set_postfix_str(f"{task}/{name}")
-                systems[name].prepare(work[task], tuple(cfg.batch_sizes), cfg.max_new_tokens)
+                served = tuple(b for b in cfg.batch_sizes if systems[name].supports(b) is None)
+                if served:  # the streams the largest batch it serves will use
+                    need = max(cfg.streams_at(b) for b in served)
+                    systems[name].prepare(work[task].head(need), served, cfg.max_new_tokens)
                 bar.update()
-        for name in order:  # warm-up, untimed
+        for name in order if cfg.warmup else ():  # warm-up, untimed
             for b in cfg.batch_sizes:
                 if systems[name].supports(b) is None:
                     systems[name].run(work[cfg.tasks[0]].head(b), b, 4)

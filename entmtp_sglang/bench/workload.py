@@ -31,6 +31,7 @@ class BenchContext:
     model_dir: Path | None = None  # None: the bundled entmtp-tiny
     cost_steps: int = 6  # engine steps timed per tree and batch size when measuring tree costs
     cost_rounds: int = 2  # interleaved timing rounds; the lowest per-round median is kept
+    oracle_max_batch: int = 0  # the oracle runs only at batch sizes up to this (0: all)
     log: object = print
     cache: dict | None = None
 
