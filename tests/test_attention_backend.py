@@ -1,0 +1,93 @@
+"""The `entmtp_torch` attention backend's gather plans against a dense per-query reference (float32,
+random pools, random trees). Needs SGLang importable (its base class); CI installs it."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("ENTMTP_REQUIRE_SGLANG") != "1":
+    pytest.importorskip("sglang")
+
+from entmtp_sglang.sglang.attention import attend, extend_plan, rows_plan, verify_plan  # noqa: E402
+from entmtp_sglang.tree import Tree, build_buffers  # noqa: E402
+
+
+def dense(q, k_rows, v_rows, visible, scale):
+    """q (H, D) one query; k_rows/v_rows (L, Hkv, D); visible (L,) bool."""
+    H, Hkv = q.shape[0], k_rows.shape[1]
+    k = k_rows[visible].repeat_interleave(H // Hkv, 1)
+    v = v_rows[visible].repeat_interleave(H // Hkv, 1)
+    w = torch.softmax(torch.einsum("hd,lhd->hl", q, k) * scale, -1)
+    return torch.einsum("hl,lhd->hd", w, v)
+
+
+def pool(gen, slots=200, hkv=2, d=8, reqs=3, width=64):
+    k = torch.randn(slots, hkv, d, generator=gen)
+    v = torch.randn(slots, hkv, d, generator=gen)
+    r2t = torch.stack([torch.randperm(slots, generator=gen)[:width] for _ in range(reqs)]).int()
+    return k, v, r2t
+
+
+def test_extend_and_decode_are_causal_over_the_request_rows():
+    gen = torch.Generator().manual_seed(0)
+    k, v, r2t = pool(gen)
+    rpi = torch.tensor([2, 0, 1])
+    seq = torch.tensor([9, 5, 13])
+    ext = torch.tensor([4, 5, 1])
+    q = torch.randn(int(ext.sum()), 4, 8, generator=gen)
+    out = attend(extend_plan(r2t, rpi, seq, ext), q, k, v, 0.3, torch.zeros_like(q))
+    t = 0
+    for b in range(3):
+        rows = r2t[rpi[b], : seq[b]].long()
+        for i in range(int(ext[b])):
+            pos = int(seq[b] - ext[b]) + i
+            vis = torch.arange(int(seq[b])) <= pos
+            torch.testing.assert_close(out[t], dense(q[t], k[rows], v[rows], vis, 0.3))
+            t += 1
+
+
+@pytest.mark.parametrize("parents", [(-1, 0, 1, 2), (-1, 0, 0, 1, 1, 2, 4), (-1,)])
+def test_tree_verify_sees_the_prefix_and_its_ancestors(parents):
+    gen = torch.Generator().manual_seed(len(parents))
+    k, v, r2t = pool(gen)
+    tree = Tree(parents)
+    n = tree.num_nodes
+    anc = build_buffers(tree).ancestor_mask
+    rpi, seq = torch.tensor([1, 2]), torch.tensor([7, 11])
+    mask = anc.flatten().repeat(2)                 # QLEN_ONLY layout, same tree for both requests
+    q = torch.randn(2 * n, 4, 8, generator=gen)
+    out = attend(verify_plan(r2t, rpi, seq, n, mask), q, k, v, 0.5, torch.zeros_like(q))
+    for b in range(2):
+        rows = r2t[rpi[b], : seq[b] + n].long()
+        for i in range(n):
+            vis = torch.cat([torch.ones(int(seq[b]), dtype=torch.bool), anc[i]])
+            torch.testing.assert_close(out[b * n + i], dense(q[b * n + i], k[rows], v[rows], vis, 0.5))
+
+
+def test_chain_verify_equals_causal_extend():
+    gen = torch.Generator().manual_seed(3)
+    k, v, r2t = pool(gen)
+    rpi, seq, n = torch.tensor([0, 2]), torch.tensor([6, 10]), 5
+    q = torch.randn(2 * n, 4, 8, generator=gen)
+    chain = torch.tril(torch.ones(n, n, dtype=torch.bool)).flatten().repeat(2)
+    a = attend(verify_plan(r2t, rpi, seq, n, chain), q, k, v, 0.4, torch.zeros_like(q))
+    b = attend(extend_plan(r2t, rpi, seq + n, torch.full((2,), n)), q, k, v, 0.4, torch.zeros_like(q))
+    torch.testing.assert_close(a, b)
+
+
+def test_draft_rows_see_prefix_and_listed_slots():
+    gen = torch.Generator().manual_seed(4)
+    k, v, r2t = pool(gen)
+    pre = r2t[[0, 0, 1, 1], :6].long()
+    extra = torch.tensor([[10, 11], [12, 0], [20, 21], [22, 23]])
+    valid = torch.tensor([[True, True], [True, False], [True, True], [False, True]])
+    q = torch.randn(4, 4, 8, generator=gen)
+    out = attend(rows_plan(pre, torch.ones_like(pre, dtype=torch.bool), extra, valid), q, k, v, 0.3,
+                 torch.zeros_like(q))
+    for r in range(4):
+        rows = torch.cat([pre[r], extra[r]])
+        vis = torch.cat([torch.ones(6, dtype=torch.bool), valid[r]])
+        torch.testing.assert_close(out[r], dense(q[r], k[rows], v[rows], vis, 0.3))
