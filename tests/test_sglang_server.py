@@ -55,9 +55,9 @@ def servers(tmp_path_factory):
     # float32 on both: bfloat16 matmuls over a 5-token verify block and a 1-token decode round
     # differently, which flips near-tied argmaxes (seen: 1 prompt in 25); that is numerics, not speculation.
     f32 = ("--dtype", "float32")
-    plain = SGLangServer.cpu(None, port=31101, attention="torch_native", log_path=logs / "plain.log", extra=f32)
+    plain = SGLangServer.cpu(None, attention="torch_native", log_path=logs / "plain.log", extra=f32)
     # compact JSON under schemas (no free whitespace), as the reference engine's compact mode
-    ent = SGLangServer.cpu("ENTMTP", port=31102, log_path=logs / "entmtp.log",
+    ent = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp.log",
                            extra=f32 + ("--constrained-json-disable-any-whitespace",),
                            env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"})
     plain.start(wait=False)
@@ -227,7 +227,7 @@ def test_bad_tree_set_fails_at_start_up_with_a_clear_message(tmp_path, problem):
         expect = r"calibrated for model 'llama-3-8b', not 'entmtp-tiny'"
     path = tmp_path / "bad.json"
     path.write_text(json.dumps(data))
-    srv = SGLangServer.cpu("ENTMTP", port=31103, env={"ENTMTP_TREE_SET": str(path)},
+    srv = SGLangServer.cpu("ENTMTP", env={"ENTMTP_TREE_SET": str(path)},
                            log_path=tmp_path / "bad.log")
     srv.start(wait=False)
     assert srv.exit_code() != 0
@@ -238,7 +238,7 @@ def test_bad_tree_set_fails_at_start_up_with_a_clear_message(tmp_path, problem):
 @pytest.mark.parametrize("adaptive", [False, True], ids=["eagle-static", "eagle-adaptive"])
 def test_sglang_eagle_runs_correctly_through_entmtp_torch(servers, reference, tmp_path, adaptive):
     """SGLang's own EAGLE (static tree, topk 2) and --speculative-adaptive on the same CPU backend."""
-    srv = SGLangServer.cpu("EAGLE", port=31104 + adaptive, steps=3, topk=1 if adaptive else 2,
+    srv = SGLangServer.cpu("EAGLE", steps=3, topk=1 if adaptive else 2,
                            draft_tokens=4 if adaptive else 6, adaptive=adaptive,
                            log_path=tmp_path / "eagle.log", extra=("--dtype", "float32"))
     with srv:

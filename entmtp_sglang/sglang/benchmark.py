@@ -36,8 +36,8 @@ class SystemSpec:
     adaptive: bool = False
     attention: str = "entmtp_torch"
 
-    def server(self, port: int, log_dir: Path, device_args: tuple[str, ...]) -> SGLangServer:
-        return SGLangServer.cpu(self.speculative, port=port, steps=self.steps, topk=self.topk,
+    def server(self, log_dir: Path, device_args: tuple[str, ...]) -> SGLangServer:
+        return SGLangServer.cpu(self.speculative, steps=self.steps, topk=self.topk,
                                 draft_tokens=self.draft_tokens, adaptive=self.adaptive,
                                 attention=self.attention, log_path=log_dir / f"{self.name}.log",
                                 extra=device_args)
@@ -87,14 +87,14 @@ def run_batch(srv: SGLangServer, prompts: list[str], batch: int, max_new: int) -
     return outs, time.perf_counter() - t0
 
 
-def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64, port: int = 31300,
+def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64,
         log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print) -> list[Row]:
     log_dir.mkdir(parents=True, exist_ok=True)
     prompts = bench_prompts(per_task)
     device_args = ("--dtype", dtype)
     rows, reference = [], {}
-    for i, spec in enumerate(systems):
-        with spec.server(port + i, log_dir, device_args) as srv:
+    for spec in systems:
+        with spec.server(log_dir, device_args) as srv:
             srv.generate("warm up", 8)
             for b in batches:
                 outs, secs = run_batch(srv, prompts, b, max_new)

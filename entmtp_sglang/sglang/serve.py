@@ -28,6 +28,15 @@ class ServerError(RuntimeError):
     pass
 
 
+def free_port() -> int:
+    """A TCP port nobody listens on now (tests and benchmarks may run side by side)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def cpu_args(speculative: str | None, *, model: Path = BUNDLED_MODEL, steps: int = 3, topk: int = 1,
              draft_tokens: int = 4, adaptive: bool = False, attention: str = "entmtp_torch",
              max_total_tokens: int = 20000, extra: tuple[str, ...] = ()) -> list[str]:
@@ -57,9 +66,9 @@ class SGLangServer:
         self.proc: subprocess.Popen | None = None
 
     @classmethod
-    def cpu(cls, speculative: str | None = None, port: int = 31000, env: dict[str, str] | None = None,
+    def cpu(cls, speculative: str | None = None, port: int | None = None, env: dict[str, str] | None = None,
             log_path: Path | None = None, **kw) -> "SGLangServer":
-        return cls(cpu_args(speculative, **kw), port, env, log_path)
+        return cls(cpu_args(speculative, **kw), port or free_port(), env, log_path)
 
     @property
     def url(self) -> str:
