@@ -23,14 +23,15 @@ def main() -> None:
     ap.add_argument("--per-task", type=int, default=3, help="test prompts per task (5 tasks)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (requests in flight)")
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
     t0 = time.time()
-    rows = run(batches=batches, per_task=args.per_task, max_new=args.max_new_tokens,
+    rows = run(batches=batches, per_task=args.per_task, max_new=args.max_new_tokens, repeats=args.repeats,
                log_dir=ROOT / "runs" / "sglang-bench")
     write(rows, args.out, {"per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
-                           "batches": list(batches), "duration_s": round(time.time() - t0)})
+                           "batches": list(batches), "repeats": args.repeats, "duration_s": round(time.time() - t0)})
     print(to_markdown(rows))
     print(f"duration {time.time() - t0:.0f} s")
 

@@ -1,8 +1,8 @@
 """Side-by-side SGLang benchmark: no speculation, EAGLE static (a small grid), --speculative-adaptive, ENTMTP.
 
-Every system is the same SGLang build on the same machine with the same prompts: one server per system
-(started, warmed, measured, stopped), greedy, at each batch size (batch b = b requests in flight at once,
-kept full until the prompt list is done). Reported per system and batch size: output tokens/s (wall clock
+Every system is the same SGLang build on the same machine with the same prompts: one server per system,
+all started before measuring, then measured in turn (interleaved; median tokens/s over repeats), greedy,
+at each batch size (batch b = b requests in flight at once, kept full until the prompt list is done). Reported per system and batch size: output tokens/s (wall clock
 over the whole prompt list), mean accepted length (SGLang's `spec_accept_length`: tokens per verify step,
 bonus included), and for ENTMTP the histogram of trees chosen. Also checks greedy equality with the
 no-speculation server's outputs (float32 keeps ties out; see tests/test_sglang_server.py).
@@ -63,6 +63,7 @@ class Row:
     trees: collections.Counter = field(default_factory=collections.Counter)
     equal_to_plain: int | None = None
     requests: int = 0
+    repeat_tokens_per_s: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -87,32 +88,54 @@ def run_batch(srv: SGLangServer, prompts: list[str], batch: int, max_new: int) -
     return outs, time.perf_counter() - t0
 
 
-def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64,
+def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64, repeats: int = 3,
         log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print) -> list[Row]:
+    """All servers up at once (idle ones sleep), measurements interleaved: for each repeat, each batch size,
+    each system in turn; tokens/s is the median over repeats, so load from elsewhere hits all alike."""
     log_dir.mkdir(parents=True, exist_ok=True)
     prompts = bench_prompts(per_task)
     device_args = ("--dtype", dtype)
-    rows, reference = [], {}
-    for spec in systems:
-        with spec.server(log_dir, device_args) as srv:
-            srv.generate("warm up", 8)
+    servers = {}
+    try:
+        for spec in systems:
+            servers[spec.name] = spec.server(log_dir, device_args).start(wait=False)
+        for spec in systems:
+            servers[spec.name].wait_ready()
+            servers[spec.name].generate("warm up", 8)
+            progress(f"{spec.name} ready")
+        runs: dict[tuple[str, int], list[Row]] = collections.defaultdict(list)
+        reference: dict[int, list] = {}
+        for rep in range(repeats):
             for b in batches:
-                outs, secs = run_batch(srv, prompts, b, max_new)
-                row = Row(spec.name, b, sum(o["meta_info"]["completion_tokens"] for o in outs), secs,
-                          requests=len(outs))
-                for o in outs:
-                    m = o["meta_info"]
-                    if m.get("spec_verify_ct"):
-                        row.accept_lengths.append(m["spec_accept_length"])
-                    row.trees.update(m.get("entmtp_trees", []))
-                ids = [o["output_ids"] for o in outs]
-                if spec.speculative is None:
-                    reference[b] = ids
-                elif b in reference:
-                    row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[b]))
-                rows.append(row)
-                progress(f"{spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, "
-                         f"accept {row.mean_accept or 0:.2f}, equal {row.equal_to_plain}/{len(ids)}")
+                for spec in systems:
+                    outs, secs = run_batch(servers[spec.name], prompts, b, max_new)
+                    row = Row(spec.name, b, sum(o["meta_info"]["completion_tokens"] for o in outs), secs,
+                              requests=len(outs))
+                    for o in outs:
+                        m = o["meta_info"]
+                        if m.get("spec_verify_ct"):
+                            row.accept_lengths.append(m["spec_accept_length"])
+                        row.trees.update(m.get("entmtp_trees", []))
+                    ids = [o["output_ids"] for o in outs]
+                    if spec.speculative is None:
+                        reference.setdefault(b, ids)
+                    elif b in reference:
+                        row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[b]))
+                    runs[(spec.name, b)].append(row)
+                    progress(f"repeat {rep} {spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, "
+                             f"accept {row.mean_accept or 0:.2f}, equal {row.equal_to_plain}/{len(ids)}")
+    finally:
+        for srv in servers.values():
+            srv.stop()
+    rows = []
+    for b in batches:
+        for spec in systems:
+            rs = runs[(spec.name, b)]
+            med = sorted(rs, key=lambda r: r.tokens_per_s)[len(rs) // 2]
+            eq = [r.equal_to_plain for r in rs if r.equal_to_plain is not None]
+            med.equal_to_plain = min(eq) if eq else None
+            med.repeat_tokens_per_s = [round(r.tokens_per_s, 2) for r in rs]
+            rows.append(med)
     return rows
 
 
@@ -129,7 +152,7 @@ def machine() -> dict:
 
 def to_markdown(rows: list[Row]) -> str:
     plain = {r.batch: r.tokens_per_s for r in rows if r.system == "plain"}
-    lines = ["| system | batch | tokens/s | vs plain | mean accepted length | greedy = plain | trees chosen |",
+    lines = ["| system | batch | tokens/s (median) | vs plain | mean accepted length | greedy = plain | trees chosen |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r.tokens_per_s / plain[r.batch]:.2f}x" if r.batch in plain else ""
@@ -148,5 +171,6 @@ def write(rows: list[Row], out_dir: Path, config: dict) -> None:
             f.write(json.dumps({**meta, "system": r.system, "batch": r.batch, "tokens": r.tokens,
                                 "seconds": round(r.seconds, 3), "tokens_per_s": round(r.tokens_per_s, 2),
                                 "mean_accept_length": r.mean_accept, "equal_to_plain": r.equal_to_plain,
-                                "requests": r.requests, "trees": dict(r.trees)}) + "\n")
+                                "requests": r.requests, "trees": dict(r.trees),
+                                "repeat_tokens_per_s": r.repeat_tokens_per_s}) + "\n")
     (out_dir / "sglang_cpu.md").write_text(to_markdown(rows) + "\n")
