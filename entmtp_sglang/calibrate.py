@@ -5,7 +5,7 @@
 1. Decode the calibration prompts greedily; at every position record the drafter's entropy for the
    next position, the target's entropy, and the rank vector of the true continuation (see
    `tree.construct`).
-2. Pick the entropy signal that best predicts acceptance (most negative correlation) and split its
+2. Pick the entropy signal that best predicts acceptance (largest |correlation|) and split its
    range into quantile bins.
 3. Per bin and node budget, build the tree that maximises the empirical expected accepted length.
 4. Measure the step time of the candidate trees in situ (real engine steps, all trees interleaved
@@ -318,7 +318,8 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
     sig = signals_of(records, cfg.window)
     acc = [float(r.chain_accepted) for r in records]
     corr = {k: round(pearson(v, acc), 3) for k, v in sig.items()}
-    signal = min(corr, key=lambda k: corr[k])
+    # the bins hold empirical trees, so the sign does not matter: take the most informative signal
+    signal = max(corr, key=lambda k: (abs(corr[k]), k == "draft_entropy"))
     log(f"correlation of each entropy signal with chain acceptance: {corr}; using {signal}")
     edges = quantile_edges(sig[signal], cfg.num_bins)
     bins = [[] for _ in range(len(edges) + 1)]
