@@ -12,19 +12,19 @@ from entmtp_sglang.bench.reference import with_measured_costs
 from entmtp_sglang.bench.report import markdown, write_all
 from entmtp_sglang.bench.runner import OVERALL, run_bench
 from entmtp_sglang.bench.systems import RequestOutcome, System, SystemError_, make_system, register_system, registry
-from entmtp_sglang.bench.workload import BenchContext
+from entmtp_sglang.bench.workload import BenchContext, build_streams
 from entmtp_sglang.cli import main as cli_main
 from entmtp_sglang.policy.selector import select_tree
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.treeset import TreeEntry, TreeSet
 
-TASKS = ("code", "mixed")
+TASKS = ("mixed",)  # three turns: prose, JSON, code
 BATCHES = (1, 2)
 
 
 @pytest.fixture(scope="module")
 def small_run():
-    """Every registered system on two tasks (one plain, the three-turn mixed session), batch 1 and 2."""
+    """Every registered system on the three-turn mixed session, batch 1 and 2 (a few tokens each)."""
     cfg = BenchConfig(tasks=TASKS, systems=tuple(registry()), batch_sizes=BATCHES, repeats=1, max_new_tokens=6,
                       prompts=1, cost_steps=1, cost_rounds=1, warmup=False, name="test", threads=2)
     return run_bench(cfg, progress=False, log=lambda *a: None)
@@ -50,8 +50,8 @@ def test_rows_cover_every_task_system_and_batch(small_run):
                 if r["engine"] == "reference":
                     assert r["policy_us_per_step"] is not None and r["policy_us_per_step"] >= 0
                     assert sum(r["trees_chosen"].values()) == r["steps"]
-    mixed = rows[("mixed", "plain", 1)]
-    assert mixed["streams"] == 1 and mixed["max_new_tokens"] == 6
+    assert rows[("mixed", "plain", 1)]["streams"] == 1 and rows[("mixed", "plain", 2)]["streams"] == 2
+    assert rows[("mixed", "plain", 1)]["max_new_tokens"] == 6
 
 
 def test_every_speculative_system_is_lossless(small_run):
@@ -100,6 +100,24 @@ def test_table_jsonl_and_plots(small_run, tmp_path):
             assert need <= set(r), need - set(r)
     for k in ("speedup", "entropy_trace", "accepted_vs_entropy"):
         assert files[k].exists() and files[k].stat().st_size > 1000
+
+
+def test_streams_come_from_the_test_split_and_fit_the_context():
+    from tokenizers import Tokenizer
+
+    from entmtp_sglang.model.load import BUNDLED_MODEL
+    from entmtp_sglang.tasks import load_prompts
+
+    tok = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
+    prose = build_streams("prose", 25, tok, 512, 64)  # prose has 20 test prompts: reused in order
+    assert len(prose) == 25 and all(len(s.segments) == 1 for s in prose)
+    test_ids = [it["id"] for it in load_prompts("prose", "test")]
+    assert [s.source_ids[0] for s in prose] == [test_ids[i % len(test_ids)] for i in range(25)]
+    assert all(0 < len(s.segments[0]) <= 512 - 64 - 8 for s in prose)
+    with pytest.raises(ValueError, match="plain_generate"):
+        build_streams("mixed", 1, tok, 512, 64)
+    with pytest.raises(ValueError, match="unknown task"):
+        build_streams("poetry", 1, tok, 512, 64)
 
 
 def test_with_measured_costs_backs_off_to_plain_when_verification_is_dear():

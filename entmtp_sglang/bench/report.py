@@ -33,7 +33,9 @@ def markdown(result: BenchResult) -> str:
     out = [f"## entmtp bench ({cfg.name}): commit {meta['commit']}, {meta['started']}, "
            f"{meta['seconds'] / 60:.1f} min", ""]
     m = meta["machine"]
-    out.append(f"Machine: {m.get('cpu', m['machine'])}, {m['cpu_count']} CPUs, torch {m['torch']} with "
+    load = m.get("load_avg")
+    load = f", load average {load[0]:.1f} at start" if load else ""
+    out.append(f"Machine: {m.get('cpu', m['machine'])}, {m['cpu_count']} CPUs{load}, torch {m['torch']} with "
                f"{m['torch_threads']} threads. Greedy; held-out (test) prompts; {cfg.max_new_tokens} new tokens "
                f"per request; {cfg.prompts} streams per task at batch 1 (max(prompts, b) at batch b); median of "
                f"{cfg.repeats} interleaved repeats.")
