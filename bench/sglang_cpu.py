@@ -13,7 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
-from entmtp_sglang.sglang.benchmark import run, to_markdown, write
+from entmtp_sglang.sglang.benchmark import DEFAULT_SYSTEMS, run, to_markdown, write
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,14 +24,21 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (requests in flight)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--systems", default="", help="comma-separated subset of: " + ", ".join(s.name for s in DEFAULT_SYSTEMS))
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
     t0 = time.time()
-    rows = run(batches=batches, per_task=args.per_task, max_new=args.max_new_tokens, repeats=args.repeats,
-               log_dir=ROOT / "runs" / "sglang-bench")
-    write(rows, args.out, {"per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
-                           "batches": list(batches), "repeats": args.repeats, "duration_s": round(time.time() - t0)})
+    config = {"per_task": args.per_task, "max_new_tokens": args.max_new_tokens, "batches": list(batches)}
+
+    def save(rows, done):       # after every repeat, so a long run leaves results behind
+        write(rows, args.out, {**config, "repeats": done, "duration_s": round(time.time() - t0)})
+
+    names = [n for n in args.systems.split(",") if n]
+    systems = [s for s in DEFAULT_SYSTEMS if not names or s.name in names]
+    config["systems"] = [s.name for s in systems]
+    rows = run(systems, batches=batches, per_task=args.per_task, max_new=args.max_new_tokens, repeats=args.repeats,
+               log_dir=ROOT / "runs" / "sglang-bench", on_repeat=save)
     print(to_markdown(rows))
     print(f"duration {time.time() - t0:.0f} s")
 
