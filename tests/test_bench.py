@@ -26,7 +26,7 @@ BATCHES = (1, 2)
 def small_run():
     """Every registered system on the three-turn mixed session, batch 1 and 2 (a few tokens each)."""
     cfg = BenchConfig(tasks=TASKS, systems=tuple(registry()), batch_sizes=BATCHES, repeats=1, max_new_tokens=6,
-                      prompts=1, cost_steps=1, cost_rounds=1, warmup=False, name="test", threads=2)
+                      prompts=1, cost_steps=1, cost_rounds=1, warmup=False, max_prompt_tokens=48, name="test", threads=1)
     return run_bench(cfg, progress=False, log=lambda *a: None)
 
 

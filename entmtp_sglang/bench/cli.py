@@ -66,6 +66,9 @@ def add_parser(sub) -> None:
                    help=f"tokens per request (default: {d['max_new_tokens'].default})")
     p.add_argument("--prompts", type=int, default=None,
                    help=f"streams per task at batch 1; batch b uses max(prompts, b) (default: {d['prompts'].default})")
+    p.add_argument("--max-prompt-tokens", type=int, default=None,
+                   help="keep at most this many last tokens of each prompt (default: as many as fit the "
+                        "512-token context with the new tokens)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per process (default: 1; 0 = torch's choice). One thread keeps "
                         "timings steady on a shared machine: with 2 intra-op threads and other jobs running, "
@@ -93,7 +96,7 @@ def main(args) -> int:
         if getattr(args, opt) is not None:
             kw[key] = getattr(args, opt)
             custom = True
-    for opt in ("repeats", "max_new_tokens", "prompts"):
+    for opt in ("repeats", "max_new_tokens", "prompts", "max_prompt_tokens"):
         if getattr(args, opt) is not None:
             kw[opt] = getattr(args, opt)
     if custom:

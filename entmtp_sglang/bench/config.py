@@ -22,6 +22,7 @@ class BenchConfig:
     cost_steps: int = 6  # engine steps timed per tree and batch size for the cost measurements
     cost_rounds: int = 2
     oracle_max_batch: int = 0  # 0: the oracle runs at every batch size; else only up to this one
+    max_prompt_tokens: int = 0  # 0: prompts keep as many last tokens as the context allows
     warmup: bool = True  # one short untimed call per system and batch size before timing
     name: str = "full"
     model_dir: str | None = None

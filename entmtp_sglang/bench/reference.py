@@ -117,8 +117,10 @@ class Resources:
         return [r.output_ids for r in res]
 
     def calib_prompts(self, n: int = 4) -> list[list[int]]:
+        """Prompts for timing tree costs: HumanEval calibration problems, last 300 tokens (or the cap)."""
+        keep = min(300, self.ctx.max_prompt_tokens or 300)
         tok = self.tokenizer
-        return [tok.encode(it["prompt"]).ids[-300:] for it in load_prompts("code", "calib", n)]
+        return [tok.encode(it["prompt"]).ids[-keep:] for it in load_prompts("code", "calib", n)]
 
     # -- default static tree (Medusa/Hydra construction) -----------------------------------------
     def head_accuracy(self, drafter: str) -> list[list[float]]:

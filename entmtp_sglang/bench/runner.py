@@ -96,7 +96,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> BenchResult:
         torch.set_num_threads(cfg.threads)
     started = time.time()
     ctx = BenchContext(Path(cfg.model_dir) if cfg.model_dir else None, cfg.cost_steps, cfg.cost_rounds,
-                       cfg.oracle_max_batch, log=log or tqdm.write)
+                       cfg.oracle_max_batch, cfg.max_prompt_tokens, log=log or tqdm.write)
     names = list(cfg.systems)
     systems: dict[str, System] = {n: make_system(n, ctx) for n in names}
     for s in list(systems.values()):  # every speedup needs its baseline in the same run
@@ -114,7 +114,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> BenchResult:
         work: dict[str, TaskStreams] = {}
         for task in cfg.tasks:
             work[task] = build_streams(task, n_streams, res.tokenizer, res.context_tokens, cfg.max_new_tokens,
-                                       res.plain_generate, res.bundle().eos_token_id)
+                                       res.plain_generate, res.bundle().eos_token_id, cfg.max_prompt_tokens)
             bar.update()
             for name in order:
                 bar.set_postfix_str(f"{task}/{name}")

@@ -32,6 +32,7 @@ class BenchContext:
     cost_steps: int = 6  # engine steps timed per tree and batch size when measuring tree costs
     cost_rounds: int = 2  # interleaved timing rounds; the lowest per-round median is kept
     oracle_max_batch: int = 0  # the oracle runs only at batch sizes up to this (0: all)
+    max_prompt_tokens: int = 0  # cap on prompt length (0: fill the context)
     log: object = print
     cache: dict | None = None
 
@@ -72,12 +73,16 @@ def _items(task: str, n: int) -> list[dict]:
 
 
 def build_streams(task: str, n: int, tokenizer, context_tokens: int, max_new_tokens: int,
-                  plain_generate=None, eos_token_id: int | None = None) -> TaskStreams:
+                  plain_generate=None, eos_token_id: int | None = None,
+                  max_prompt_tokens: int = 0) -> TaskStreams:
     """`n` streams of `task`. `plain_generate(list_of_ids, max_new_tokens) -> list_of_output_ids` is
-    needed for the mixed task only (the greedy replies that the later turns carry)."""
+    needed for the mixed task only (the greedy replies that the later turns carry). Prompts keep their
+    last tokens: as many as fit the context, or `max_prompt_tokens` if smaller (0: no cap)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
     keep = room(context_tokens, max_new_tokens)
+    if max_prompt_tokens > 0:
+        keep = min(keep, max_prompt_tokens)
     if task != "mixed":
         streams = []
         for it in _items(task, n):
