@@ -141,7 +141,10 @@ class SGLangServer:
                 body = r.read()
         except urllib.error.HTTPError as e:
             raise ServerError(f"{path}: HTTP {e.code}: {e.read()[:500]!r}") from None
-        return json.loads(body) if body else {}
+        try:
+            return json.loads(body) if body else {}
+        except json.JSONDecodeError:     # some endpoints (/flush_cache) answer in plain text
+            return {"text": body.decode(errors="replace")}
 
     def generate(self, text: str, max_new_tokens: int = 32, temperature: float = 0.0, **sampling) -> dict:
         params = {"temperature": temperature, "max_new_tokens": max_new_tokens, **sampling}
