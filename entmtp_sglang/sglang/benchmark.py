@@ -89,7 +89,8 @@ def run_batch(srv: SGLangServer, prompts: list[str], batch: int, max_new: int) -
 
 
 def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64, repeats: int = 3,
-        log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print) -> list[Row]:
+        log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
+        on_repeat=None) -> list[Row]:
     """All servers up at once (idle ones sleep), measurements interleaved: for each repeat, each batch size,
     each system in turn; tokens/s is the median over repeats, so load from elsewhere hits all alike."""
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -124,9 +125,15 @@ def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int
                     runs[(spec.name, b)].append(row)
                     progress(f"repeat {rep} {spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, "
                              f"accept {row.mean_accept or 0:.2f}, equal {row.equal_to_plain}/{len(ids)}")
+            if on_repeat is not None:
+                on_repeat(_medians(runs, systems, batches), rep + 1)
     finally:
         for srv in servers.values():
             srv.stop()
+    return _medians(runs, systems, batches)
+
+
+def _medians(runs, systems, batches) -> list[Row]:
     rows = []
     for b in batches:
         for spec in systems:
