@@ -1,0 +1,95 @@
+"""Gather plans for tree attention: which keys each query row sees, and one batched SDPA over them.
+
+Pure torch, no SGLang import (the `entmtp_torch` backend in attention.py builds on these; tests check
+them against a dense reference without loading SGLang).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.nn.functional import scaled_dot_product_attention
+
+
+class _Plan:
+    """Per-forward gather plan: query rows x keys, shared by every layer of one forward."""
+
+    __slots__ = ("kv_idx", "mask", "q_idx", "q_valid")
+
+    def __init__(self, kv_idx: torch.Tensor, mask: torch.Tensor, q_idx: torch.Tensor, q_valid: torch.Tensor):
+        self.kv_idx = kv_idx      # (R, L) int64 KV pool slots (padding: 0)
+        self.mask = mask          # (R, Q, L) bool: query q of row r may attend key l
+        self.q_idx = q_idx        # (R, Q) int64 index into the flat query tokens (padding: 0)
+        self.q_valid = q_valid    # (R, Q) bool
+
+
+def _ragged_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor):
+    """(R, L) slots req_to_token[req, :len] padded with 0, and (R, L) validity."""
+    L = int(lens.max()) if lens.numel() else 0
+    L = max(L, 1)
+    cols = torch.arange(L, device=lens.device)
+    valid = cols[None, :] < lens[:, None]
+    rows = req_to_token[req_pool_indices.long()][:, :L].long()
+    return torch.where(valid, rows, torch.zeros_like(rows)), valid
+
+
+def extend_plan(req_to_token, req_pool_indices, seq_lens, extend_lens) -> _Plan:
+    """Causal extend: request b has seq_lens[b] keys; its last extend_lens[b] positions are queries."""
+    seq_lens, extend_lens = seq_lens.long(), extend_lens.long()
+    kv_idx, kv_valid = _ragged_rows(req_to_token, req_pool_indices, seq_lens)
+    Q = max(int(extend_lens.max()), 1)
+    qi = torch.arange(Q, device=seq_lens.device)
+    q_valid = qi[None, :] < extend_lens[:, None]
+    starts = torch.cumsum(extend_lens, 0) - extend_lens
+    q_idx = torch.where(q_valid, starts[:, None] + qi[None, :], torch.zeros_like(qi)[None, :])
+    q_pos = (seq_lens - extend_lens)[:, None] + qi[None, :]                       # (R, Q) absolute
+    k_pos = torch.arange(kv_idx.shape[1], device=seq_lens.device)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & kv_valid[:, None, :]
+    mask |= ~q_valid[:, :, None] & (k_pos == 0)[None, None, :]                   # padding rows: key 0
+    return _Plan(kv_idx, mask, q_idx, q_valid)
+
+
+def verify_plan(req_to_token, req_pool_indices, seq_lens, n: int, custom_mask: torch.Tensor | None) -> _Plan:
+    """Tree verify: n draft queries per request; prefix visible; drafts by the QLEN_ONLY tree mask."""
+    seq_lens = seq_lens.long()
+    bs = seq_lens.shape[0]
+    kv_idx, kv_valid = _ragged_rows(req_to_token, req_pool_indices, seq_lens + n)
+    L = kv_idx.shape[1]
+    dev = seq_lens.device
+    if custom_mask is None or custom_mask.numel() == 0:
+        tree = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)).expand(bs, n, n)
+    else:
+        tree = custom_mask[: bs * n * n].view(bs, n, n).bool()
+    k_pos = torch.arange(L, device=dev)
+    rel = k_pos[None, :] - seq_lens[:, None]                                     # (bs, L)
+    in_draft = (rel >= 0) & (rel < n)
+    draft_vis = torch.gather(tree, 2, rel.clamp(0, n - 1)[:, None, :].expand(bs, n, L))
+    mask = torch.where(in_draft[:, None, :], draft_vis, (rel < 0)[:, None, :]) & kv_valid[:, None, :]
+    q_idx = torch.arange(bs * n, device=dev).view(bs, n)
+    return _Plan(kv_idx, mask, q_idx, torch.ones(bs, n, dtype=torch.bool, device=dev))
+
+
+def rows_plan(prefix_idx: torch.Tensor, prefix_valid: torch.Tensor, extra_idx: torch.Tensor,
+              extra_valid: torch.Tensor) -> _Plan:
+    """One query per row over its prefix slots and extra (draft) slots."""
+    kv_idx = torch.cat([prefix_idx, extra_idx], 1)
+    valid = torch.cat([prefix_valid, extra_valid], 1)
+    R = kv_idx.shape[0]
+    q_idx = torch.arange(R, device=kv_idx.device)[:, None]
+    return _Plan(kv_idx, valid[:, None, :], q_idx, torch.ones(R, 1, dtype=torch.bool, device=kv_idx.device))
+
+
+def attend(plan: _Plan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, scaling: float,
+           out: torch.Tensor) -> torch.Tensor:
+    """q (T, H, D) flat queries -> out (T, H, Dv), following the plan."""
+    H = q.shape[1]
+    qq = q[plan.q_idx]                                     # (R, Q, H, D)
+    kk = k_buf[plan.kv_idx]                                # (R, L, Hkv, D)
+    vv = v_buf[plan.kv_idx]
+    if kk.dtype != qq.dtype:
+        kk, vv = kk.to(qq.dtype), vv.to(qq.dtype)
+    o = scaled_dot_product_attention(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
+                                     attn_mask=plan.mask[:, None], scale=scaling,
+                                     enable_gqa=H != kk.shape[2])
+    o = o.transpose(1, 2)                                  # (R, Q, H, Dv)
+    out[plan.q_idx[plan.q_valid]] = o[plan.q_valid].to(out.dtype)
+    return out
