@@ -50,8 +50,9 @@ def add_parser(sub) -> None:
                     "prompt sets, side by side.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
-                   help="a short run (< 10 minutes on 2 cores): all tasks, batch 1 and 32, 2 streams per task "
-                        "at batch 1, 24 new tokens, 2 repeats, oracle-hydra at batch 1 only (explicit options "
+                   help="a short run (< 10 minutes on 2 cores): all tasks, batch 1 and 32, the Hydra drafter's "
+                        "systems plus plain and transformers, 2 streams per task at batch 1, 16 new tokens, "
+                        "prompts cut to 256 tokens, 2 repeats, the oracle at batch 1 only (explicit options "
                         "still override)")
     p.add_argument("--tasks", type=_csv(str), default=None,
                    help=f"comma-separated tasks (default: all: {','.join(TASKS)})")

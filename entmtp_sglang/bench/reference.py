@@ -61,6 +61,13 @@ class TimedChooser:
         self.seconds = [0.0] * batch
         self.depths: list[list[int]] = [[] for _ in range(batch)]
 
+    def observe(self, *args) -> None:
+        """The engine's per-step observer, forwarded to a batch-aware chooser; its time is policy time."""
+        t0 = time.perf_counter()
+        self.inner.observe(*args)
+        dt = (time.perf_counter() - t0) / len(self.seconds)
+        self.seconds = [s + dt for s in self.seconds]
+
     def __call__(self, view: StepView):
         t0 = time.perf_counter()
         tree = self.inner(view)
@@ -246,6 +253,9 @@ def with_measured_costs(tree_set: TreeSet, cost_models: dict) -> TreeSet:
                                hardware=f"costs measured at bench start (calibrated on: {tree_set.hardware})")
 
 
+PLAIN_ONLY = static_chooser(Tree.chain(0))  # a chooser that also tells run() to leave the drafter out
+
+
 class ReferenceSystem(System):
     """Runs `Engine.generate` with a chooser made per batch (`make_chooser`) and kept across segments."""
 
@@ -266,17 +276,19 @@ class ReferenceSystem(System):
         raise NotImplementedError
 
     def run(self, streams: TaskStreams, batch_size: int, max_new_tokens: int) -> list[RequestOutcome]:
-        engine = self.res.engine(self.drafter)
         out: list[RequestOutcome] = []
         for start in range(0, len(streams), batch_size):
             ids = list(range(start, min(start + batch_size, len(streams))))
             chooser = self.make_chooser(streams, ids, batch_size, max_new_tokens)
+            # PLAIN_ONLY: the system decided to decode without its drafter at this batch size
+            engine = self.res.engine(None if chooser is PLAIN_ONLY else self.drafter)
             for j in range(len(streams.streams[ids[0]].segments)):
                 prompts = [list(streams.streams[i].segments[j]) for i in ids]
                 inner = chooser.segment(j) if hasattr(chooser, "segment") else chooser
                 timed = TimedChooser(inner, len(ids))
+                observer = timed.observe if hasattr(inner, "observe") else None
                 t0 = time.perf_counter()
-                results = engine.generate(prompts, max_new_tokens, timed)
+                results = engine.generate(prompts, max_new_tokens, timed, observer=observer)
                 call = time.perf_counter() - t0
                 for k, (i, r) in enumerate(zip(ids, results)):
                     depths = timed.depths[k]
@@ -341,6 +353,96 @@ class _EntMTP(ReferenceSystem):
         return EntMTPPolicy(self.res.tree_set(self.drafter, streams.task, self.batch_sizes))
 
 
+class BatchEntMTPPolicy:
+    """EntMTP that chooses one tree per step for the whole batch, with acceptance feedback (a prototype
+    here, proposed for policy/).
+
+    Why: the engine pads a batch to its widest tree, so one request that speculates makes every request
+    pay for verifying that tree; per-request choices cannot back off at large batch. And the calibrated
+    E[accepted | entropy bin] can be optimistic on new text. So, at every step, from every active
+    request's entropy bin (seen through the engine's observer before any tree is chosen):
+
+        kappa_i  = clip((accepted_i so far + PRIOR) / (expected_i so far + PRIOR), KAPPA_MIN, KAPPA_MAX)
+        value(T) = sum_i (kappa_i * E[accepted | bin_i, T] + 1) / cost(T, active batch size)
+        T*       = argmax value (kept from the last step unless beaten by `hysteresis`); chain:0 is in the set
+
+    `plain_only(tree_set, batch_size)` is the admission gate: if no tree beats plain decoding in any bin
+    at this batch size even with kappa = 1, the system decodes without the drafter at all.
+    Target-entropy signals use each request's history as of its previous step (one step stale)."""
+
+    PRIOR = 2.0  # expected tokens of pseudo-evidence for kappa = 1
+    KAPPA_MIN, KAPPA_MAX = 0.25, 2.0
+
+    def __init__(self, tree_set: TreeSet, window: int = 8, hysteresis: float = 0.05):
+        self.tree_set, self.window, self.hysteresis = tree_set, window, hysteresis
+        self.name = "entmtp-batch"
+        self.stream: dict[int, dict] = {}
+        self.entropy: list[float] | None = None
+        self.active: list[int] = []
+        self.bins: dict[int, int] = {}
+        self.shared: int | None = None
+        self.decided = False
+
+    @staticmethod
+    def plain_only(tree_set: TreeSet, batch_size: int) -> bool:
+        plain = 1.0 / min(t.cost(batch_size) for t in tree_set.trees if t.tree.num_nodes == 1)
+        return all(t.tokens_per_second(b, batch_size) <= plain
+                   for t in tree_set.trees for b in range(tree_set.num_bins))
+
+    def observe(self, state, lens, drafting, active) -> None:
+        self.active = [i for i, a in enumerate(active) if a]
+        if len(self.active) > 1:  # one request alone: its own view carries its entropy
+            from ..engine.sampling import entropy_nats
+
+            self.entropy = entropy_nats(state.root_logits).tolist()
+        else:
+            self.entropy = None
+        self.decided = False
+
+    def kappa(self, index: int) -> float:
+        st = self.stream.get(index, {"real": 0.0, "exp": 0.0})
+        return min(self.KAPPA_MAX, max(self.KAPPA_MIN, (st["real"] + self.PRIOR) / (st["exp"] + self.PRIOR)))
+
+    def _decide(self, view: StepView) -> None:
+        from ..policy.signals import signal_value
+
+        ts = self.tree_set
+        members = self.active if self.entropy is not None else [view.index]
+        for i in members:
+            ent = self.entropy[i] if self.entropy is not None else view.draft_entropy
+            hist = view.history if i == view.index else self.stream.get(i, {}).get("history", ())
+            self.bins[i] = ts.bin_of(signal_value(ts.signal, ent, hist, self.window))
+        values = [sum(self.kappa(i) * t.expected_accepted[self.bins[i]] + 1.0 for i in members)
+                  / t.cost(view.batch_size) for t in ts.trees]
+        best = max(range(len(values)), key=lambda k: values[k])
+        if self.shared is not None and values[self.shared] * (1 + self.hysteresis) >= values[best]:
+            best = self.shared
+        self.shared, self.decided = best, len(members) > 1
+
+    def __call__(self, view: StepView) -> Tree:
+        st = self.stream.setdefault(view.index, {"real": 0.0, "exp": 0.0, "pending": None, "history": ()})
+        if not view.history:
+            st["pending"] = None  # a new request (turn) of the same stream: keep the sums
+        elif st["pending"] is not None:
+            st["real"] += view.history[-1].accepted
+            st["exp"] += st["pending"]
+            st["pending"] = None
+        st["history"] = view.history
+        if not self.decided:
+            self._decide(view)
+        entry = self.tree_set.trees[self.shared]
+        st["pending"] = entry.expected_accepted[self.bins.get(view.index, 0)]
+        return entry.tree
+
+
+class _EntMTPBatch(_EntMTP):
+    def make_chooser(self, streams, stream_ids, batch_size, max_new_tokens):
+        ts = self.res.tree_set(self.drafter, streams.task, self.batch_sizes)
+        if BatchEntMTPPolicy.plain_only(ts, batch_size):
+            return PLAIN_ONLY
+        return BatchEntMTPPolicy(ts)
+
+
 class _Oracle(ReferenceSystem):
     def supports(self, batch_size: int) -> str | None:
         limit = self.res.ctx.oracle_max_batch
@@ -372,6 +474,9 @@ _KINDS = {
     "entmtp": (_EntMTP, "EntMTP: entropy -> tree from the task's Pareto set (+ no speculation), costs "
                         "measured here"),
     "oracle": (_Oracle, "best tree of the EntMTP set at every step, in hindsight (ceiling)"),
+    "entmtp-batch": (_EntMTPBatch, "EntMTP prototype: one tree per step for the whole batch from all "
+                                   "requests' entropy bins, expected acceptance corrected by realized, no "
+                                   "drafter when no tree can beat plain at this batch size"),
 }
 for _kind, (_cls, _desc) in _KINDS.items():
     for _drafter in ("medusa", "hydra"):

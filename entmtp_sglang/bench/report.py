@@ -74,16 +74,17 @@ def entmtp_detail(result: BenchResult) -> list[str]:
     systems = list(result.meta["systems"])
     out = []
     for e in [s for s in systems if s.startswith("entmtp")]:
-        d = e.split("-", 1)[1] if "-" in e else ""
+        d = e.rsplit("-", 1)[1] if "-" in e else ""
         statics = [s for s in systems if s.startswith("static")]
         cols = [("static-" + d, f"vs static-{d}"), ("best-static", "vs best static"),
                 ("adaptive-" + d, f"vs adaptive-{d}"), ("oracle-" + d, f"vs oracle-{d}")]
         cols = [(k, h) for k, h in cols if k == "best-static" and statics or k in systems]
         out.append(f"### {e}: ratios, cost and choices")
         out.append("")
-        out.append("| batch | task | " + " | ".join(h for _, h in cols) +
-                   " | verified / token | chooser µs / step | trees chosen (share of steps) |")
-        out.append("|---|---|" + "---|" * (len(cols) + 3))
+        heads = ["batch", "task"] + [h for _, h in cols] + ["verified / token", "chooser µs / step",
+                                                          "trees chosen (share of steps)"]
+        out.append("| " + " | ".join(heads) + " |")
+        out.append("|" + "---|" * len(heads))
         for b in result.config.batch_sizes:
             for t in list(result.config.tasks) + [OVERALL]:
                 r = idx.get((t, e, b))
@@ -103,8 +104,7 @@ def entmtp_detail(result: BenchResult) -> list[str]:
                 total = sum(r["trees_chosen"].values()) or 1
                 top = ", ".join(f"{n} {c / total:.0%}" for n, c in list(r["trees_chosen"].items())[:3])
                 pol = f"{r['policy_us_per_step']:.0f}" if r.get("policy_us_per_step") is not None else "-"
-                out.append(f"| {b} | {t} | " + " | ".join(cells) + f" | {r['verified_per_token']:.2f} | {pol} | "
-                           f"{top} |")
+                out.append("| " + " | ".join([str(b), t] + cells + [f"{r['verified_per_token']:.2f}", pol, top]) + " |")
         out.append("")
     return out
 
