@@ -57,11 +57,10 @@ def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("sglang-logs")
     # float32 on both: bfloat16 matmuls over a 5-token verify block and a 1-token decode round
     # differently, which flips near-tied argmaxes (seen: 1 prompt in 25); that is numerics, not speculation.
-    f32 = ("--dtype", "float32")
-    plain = SGLangServer.cpu(None, attention="torch_native", log_path=logs / "plain.log", extra=f32)
     # compact JSON under schemas (no free whitespace), as the reference engine's compact mode
-    ent = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp.log",
-                           extra=f32 + ("--constrained-json-disable-any-whitespace",),
+    f32 = ("--dtype", "float32", "--constrained-json-disable-any-whitespace")
+    plain = SGLangServer.cpu(None, attention="torch_native", log_path=logs / "plain.log", extra=f32)
+    ent = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp.log", extra=f32,
                            env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"})
     plain.start(wait=False)
     ent.start(wait=False)
@@ -106,16 +105,23 @@ def test_meta_info_reports_trees_and_accepted_lengths(servers):
 
 
 def test_json_schema_requests_return_valid_json(servers):
+    """Valid JSON, and token for token SGLang's plain constrained output: ENTMTP drafts under the grammar
+    (grammar-masked entropy and drafts), verification is SGLang's grammar-masked verify."""
     jsonschema = pytest.importorskip("jsonschema")
-    _, ent = servers
+    plain, ent = servers
     items = [it for it in load_prompts("json", "test") if it["id"] in FINISHING_SCHEMAS]
     assert len(items) == len(FINISHING_SCHEMAS)
+    accepted = []
     for item in items:
         schema = load_schema(item)
-        out = ent.post("/generate", {"text": item["prompt"], "sampling_params": {
-            "temperature": 0, "max_new_tokens": 320, "json_schema": json.dumps(schema)}})
+        job = {"text": item["prompt"], "sampling_params": {
+            "temperature": 0, "max_new_tokens": 320, "json_schema": json.dumps(schema)}}
+        out = ent.post("/generate", job)
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]["finish_reason"]
         jsonschema.validate(json.loads(out["text"]), schema)
+        assert out["output_ids"] == plain.post("/generate", job)["output_ids"], item["id"]
+        accepted.append(out["meta_info"]["spec_accept_length"])
+    assert sum(accepted) / len(accepted) > 1.2, accepted
 
 
 def test_unsupported_schema_gets_a_clear_error_and_the_server_keeps_serving(servers):

@@ -3,7 +3,8 @@
 The tree set comes from, in order: the `ENTMTP_TREE_SET` environment variable, SGLang's
 `--speculative-adaptive-config FILE` when FILE is an EntMTP tree set (JSON with
 `"format": "entmtp-tree-set"`), or the shipped default for the bundled model's EAGLE drafter
-(`entmtp_sglang/trees/entmtp-tiny-eagle-mixed.json`).
+(`entmtp_sglang/trees/entmtp-tiny-eagle-mixed.json`). `ENTMTP_GRAMMAR_DRAFT=0` turns off the grammar-masked
+entropy and drafts of constrained requests (on by default; needs the overlap scheduler off, as on CPU).
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ from pathlib import Path
 from ..tree.treeset import FORMAT, TreeSet, TreeSetError, load_tree_set, shipped_tree_set
 
 ENV_TREE_SET = "ENTMTP_TREE_SET"
+ENV_GRAMMAR_DRAFT = "ENTMTP_GRAMMAR_DRAFT"   # "0" turns grammar-aware drafting and entropy off
+PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
+
+
+def pinned_index(custom_params: list, index_by_name: dict[str, int]) -> tuple[int | None, str | None]:
+    """The tree a batch's requests pin (`custom_params = {"entmtp_tree": NAME}`: in-situ cost measurement
+    and debugging), as (index, None); honoured only when every request pins the same tree. A name not in
+    the set gives (None, name), so the caller can warn; no pin or disagreeing pins give (None, None)."""
+    names = {p.get(PIN_KEY) if isinstance(p, dict) else None for p in custom_params}
+    if len(names) != 1 or None in names:
+        return None, None
+    name = names.pop()
+    return (index_by_name[name], None) if name in index_by_name else (None, name)
 DEFAULT_DRAFTER = "eagle"
 DEFAULT_TASK = "mixed"
 
@@ -42,6 +56,7 @@ class EntMtpConfig:
     hysteresis: float = 0.05
     max_nodes: int | None = None
     log_interval_s: float = 30.0
+    grammar_drafting: bool = True   # constrained requests: grammar-masked entropy and drafts
 
     def __post_init__(self):
         if not 0 <= self.hysteresis < 1:
@@ -55,7 +70,10 @@ class EntMtpConfig:
     def from_server_args(cls, server_args) -> "EntMtpConfig":
         path = resolve_tree_set_path(getattr(server_args, "speculative_adaptive_config", None))
         model = Path(str(server_args.model_path).rstrip("/")).name
-        return cls(tree_set_path=path, model_name=model)
+        flag = os.environ.get(ENV_GRAMMAR_DRAFT, "1").strip().lower()
+        if flag not in ("0", "1", "false", "true", "off", "on"):
+            raise ValueError(f"{ENV_GRAMMAR_DRAFT} must be 0 or 1, got {flag!r}")
+        return cls(tree_set_path=path, model_name=model, grammar_drafting=flag in ("1", "true", "on"))
 
     def load_tree_set(self) -> TreeSet:
         """Load and validate; the error names the file and the problem (wrong model, bad node, ...)."""

@@ -4,10 +4,13 @@ Per step (per batch: SGLang verifies one `draft_token_num` per batch, so every r
 same tree):
 1. signal: each request's draft entropy of its next root distribution, computed from the logits the
    draft-extend pass already produced (no extra forward); the batch's signal is the mean;
+   For a request under a grammar (`json_schema`, `regex`, `ebnf`) the entropy is taken over the tokens
+   the grammar allows next (grammar_draft.py);
 2. `select_tree(tree_set, entropy, batch_size)` (the same pure selector as the reference engine, with
    hysteresis) picks a tree; its node count becomes this step's `speculative_num_draft_tokens`;
 3. the draft expands that tree level by level (each drafted node attends exactly to its ancestors, via
-   `entmtp_torch`'s per-row draft slots) and hands SGLang the same candidate encoding EAGLE uses, so
+   `entmtp_torch`'s per-row draft slots); a constrained request's drafts are the top-k among the tokens its
+   grammar allows after the node's path. The draft hands SGLang the same candidate encoding EAGLE uses, so
    verification, acceptance, KV compaction and grammar walking are SGLang's own code.
 
 Decisions depend only on logits, which are identical on every tensor-parallel rank, and on the batch
@@ -25,10 +28,10 @@ import torch
 from ..kernels import softmax_entropy
 from ..policy.selector import select_tree
 from .attention import MultiStepDraftBackend
-from .config import EntMtpConfig
+from .config import EntMtpConfig, pinned_index
 from .sglang_api import (EAGLEWorkerV2, ForwardContext, forward_context, get_context,
                          per_step_draft_out_cache_loc)
-from . import visibility
+from . import grammar_draft, visibility
 from .tree_plan import plan_tree
 
 logger = logging.getLogger("entmtp_sglang.sglang")
@@ -48,8 +51,16 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.steps = 0
         self.last_log = time.monotonic()
         self._plan = self.plans[-1]
+        self._index_by_name = {t.tree.name: i for i, t in enumerate(self.tree_set.trees)}
+        self._warned: set = set()
         self._last_extend = None
         self._step_reqs: list = []
+        self._root_logits: dict[str, torch.Tensor] = {}   # rid -> draft root logits, constrained requests
+        self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
+        # The grammar objects are read (and rolled back) on this thread; with the overlap scheduler the
+        # scheduler may be advancing them concurrently, so grammar-aware drafting needs it off.
+        self.grammar_drafting = self.config.grammar_drafting and bool(
+            getattr(server_args, "disable_overlap_schedule", False))
         dw = self._draft_worker
         if dw is not None:
             dw.draft_forward = self._draft_forward_tree
@@ -77,12 +88,16 @@ class EntMtpWorker(EAGLEWorkerV2):
         reqs = batch.reqs
         plan, h = None, float("nan")
         try:
+            self._grammar_signals(reqs)
             hs = [self.entropy.get(r.rid) for r in reqs]
             known = [h for h in hs if h is not None]
             h = sum(known) / len(known) if known else float("inf")
             room = min(self._room(r) for r in reqs)
             cap = room if self.config.max_nodes is None else min(room, self.config.max_nodes)
-            if cap >= min(p.num_nodes for p in self.plans):
+            pinned = self._pinned(reqs)
+            if pinned is not None and self.plans[pinned].num_nodes <= cap:
+                plan = self.plans[pinned]
+            elif cap >= min(p.num_nodes for p in self.plans):
                 idx = select_tree(self.tree_set, h, len(reqs), self.current, self.config.hysteresis, max_nodes=cap)
                 self.current = idx
                 plan = self.plans[idx]
@@ -113,6 +128,35 @@ class EntMtpWorker(EAGLEWorkerV2):
             logger.info("ENTMTP trees chosen over %d steps: %s (last batch draft entropy %.2f nats)", self.steps,
                         ", ".join(f"{k}={v}" for k, v in self.histogram.most_common()), h)
 
+    def _pinned(self, reqs) -> int | None:
+        params = [getattr(getattr(r, "sampling_params", None), "custom_params", None) for r in reqs]
+        index, unknown = pinned_index(params, self._index_by_name)
+        if unknown is not None and unknown not in self._warned:
+            self._warned.add(unknown)
+            logger.warning("ENTMTP: requests pin tree %r, which is not in the tree set (%s); ignored", unknown,
+                           ", ".join(self._index_by_name))
+        return index
+
+    def _grammar_signals(self, reqs) -> None:
+        """Constrained requests: grammar-masked entropy of the stored root logits, now that the grammar has
+        taken the last verified tokens; and the rows whose drafting consults the grammar this step."""
+        self._grammars = {}
+        if not self.grammar_drafting:
+            return
+        for i, r in enumerate(reqs):
+            g = grammar_draft.live_grammar(r)
+            logits = self._root_logits.get(r.rid)
+            if g is None or logits is None:
+                continue
+            try:
+                h = grammar_draft.grammar_entropy(logits, g, getattr(g, "vocab_size", logits.shape[-1]))
+            except Exception:
+                logger.exception("ENTMTP: grammar entropy failed for %s; using the unmasked one", r.rid)
+                continue
+            if h is not None:
+                self.entropy[r.rid] = h
+            self._grammars[i] = g
+
     def _room(self, req) -> int:
         """KV positions left before the context limit: every node of a tree takes one while verifying."""
         ctx = self.target_worker.model_config.context_len
@@ -134,11 +178,16 @@ class EntMtpWorker(EAGLEWorkerV2):
         if logits.shape[0] != len(batch.reqs):
             return
         h = softmax_entropy(logits.float())
-        for r, v in zip(batch.reqs, h.tolist()):
+        for i, (r, v) in enumerate(zip(batch.reqs, h.tolist())):
             self.entropy[r.rid] = v
+            if self.grammar_drafting and grammar_draft.live_grammar(r) is not None:
+                self._root_logits[r.rid] = logits[i].detach().float().clone()
+            else:
+                self._root_logits.pop(r.rid, None)
         if len(self.entropy) > 4 * max(64, len(batch.reqs)):
             live = {r.rid for r in batch.reqs}
             self.entropy = {k: v for k, v in self.entropy.items() if k in live}
+            self._root_logits = {k: v for k, v in self._root_logits.items() if k in live}
 
     # -- drafting a fixed tree ----------------------------------------------------------------------
     def _draft_forward_tree(self, forward_batch):
@@ -155,6 +204,14 @@ class EntMtpWorker(EAGLEWorkerV2):
         token: dict[int, torch.Tensor] = {}
         hidden_out: dict[int, torch.Tensor] = {0: spec_info.hidden_states}
         parents = plan.tree.parents
+        grammars = self._grammars if len(self._step_reqs) == bs else {}
+        if grammars:
+            topk_index = topk_index.clone()
+            for row, g in grammars.items():
+                logits = self._root_logits.get(self._step_reqs[row].rid)
+                top = None if logits is None else self._grammar_topk(logits, g, ())
+                if top is not None:
+                    topk_index[row] = top.to(topk_index)
         for i in range(1, plan.num_nodes):
             if plan.depth[i] == 1:
                 token[i] = topk_index[:, plan.rank[i]]
@@ -173,6 +230,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             logits = logits_output.next_token_logits.view(bs, topk, -1)
             hid = logits_output.hidden_states.view(bs, topk, -1)
             top = torch.topk(logits, topk, dim=-1).indices      # (bs, topk rows, topk ranks)
+            if grammars and step + 1 < steps:
+                self._grammar_children(top, logits, col, token, plan, grammars)
             for c, n in enumerate(col):
                 hidden_out[n] = hid[:, c]
             for i in range(1, plan.num_nodes):
@@ -183,6 +242,28 @@ class EntMtpWorker(EAGLEWorkerV2):
         selected = torch.tensor(plan.selected, dtype=torch.long, device=dev).expand(bs, -1).contiguous()
         draft_tokens = torch.stack([token[i] for i in plan.selected_nodes], 1)
         return parent_list, selected, draft_tokens, None
+
+    def _grammar_topk(self, logits, grammar, path):
+        try:
+            return grammar_draft.grammar_topk(logits, grammar, path, self.topk,
+                                              getattr(grammar, "vocab_size", logits.shape[-1]))
+        except Exception:   # drafting must never fail a request: keep the unmasked drafts
+            logger.exception("ENTMTP: grammar-aware drafting failed; unmasked drafts this node")
+            return None
+
+    def _grammar_children(self, top, logits, col, token, plan, grammars) -> None:
+        """Replace, for constrained rows, each drafted node's children by the top-k its grammar allows."""
+        parents = plan.tree.parents
+        host = {n: t.tolist() for n, t in token.items()}
+        for row, g in grammars.items():
+            for c, n in enumerate(col):
+                path, a = [], n
+                while a != 0:
+                    path.append(host[a][row])
+                    a = parents[a]
+                masked = self._grammar_topk(logits[row, c], g, path[::-1])
+                if masked is not None:
+                    top[row, c] = masked.to(top)
 
 
 def _row_tensors(plan):

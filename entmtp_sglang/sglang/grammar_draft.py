@@ -1,0 +1,100 @@
+"""Grammar inside SGLang: the grammar-lowered entropy signal and grammar-aware drafting for ENTMTP.
+
+SGLang keeps one grammar object per constrained request (`req.grammar`, xgrammar's matcher behind
+SGLang's `BaseGrammarObject`: `accept_token`, `rollback`, `fill_vocab_mask`, `apply_vocab_mask`,
+`allocate_vocab_mask`, `is_terminated`). When a decode step starts its state is "after the tree's root"
+(the last token SGLang verified), which is exactly the state its own verify walk (`traverse_tree`) starts
+from. We use the same object, and leave it in the state we found it:
+
+* the entropy signal of a constrained request is taken over the tokens the grammar allows next, so
+  structured output looks as predictable as it is and gets deeper trees;
+* every drafted node's children are the top-k of the drafter's logits masked by the grammar state after
+  the node's path, so no draft token the grammar forbids is proposed (a forbidden one could never be
+  accepted by SGLang's grammar-masked verify).
+
+Drafts only change which tokens are proposed; verification stays SGLang's (target logits masked by the
+grammar), so output is unchanged. A grammar that raises is left alone for the step (plain drafts).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+import torch
+
+logger = logging.getLogger("entmtp_sglang.sglang")
+
+
+def live_grammar(req):
+    """The request's grammar object if drafting may consult it this step, else None."""
+    g = getattr(req, "grammar", None)
+    if g is None or not hasattr(g, "fill_vocab_mask") or not hasattr(g, "rollback"):
+        return None
+    try:
+        if g.is_terminated():
+            return None
+    except Exception:
+        return None
+    return g
+
+
+def token_allowed(bitmask_row: torch.Tensor, token: int) -> bool:
+    """xgrammar's packed bitmask: bit (token % 32) of int32 word token // 32."""
+    if token < 0 or token // 32 >= bitmask_row.shape[-1]:
+        return False
+    return bool((int(bitmask_row[token // 32]) >> (token % 32)) & 1)
+
+
+def path_bitmask(grammar, path: Sequence[int], vocab_size: int) -> torch.Tensor | None:
+    """The grammar's next-token bitmask after `path` (tokens after the root), or None when a token of the
+    path is not allowed or the grammar terminates on it. The grammar is rolled back before returning."""
+    mask = grammar.allocate_vocab_mask(vocab_size=vocab_size, batch_size=1, device="cpu")
+    accepted = 0
+    try:
+        grammar.fill_vocab_mask(mask, 0)
+        for t in path:
+            if not token_allowed(mask[0], int(t)):
+                return None
+            grammar.accept_token(int(t))
+            accepted += 1
+            if grammar.is_terminated():
+                return None
+            grammar.fill_vocab_mask(mask, 0)
+        return mask
+    finally:
+        if accepted:
+            grammar.rollback(accepted)
+
+
+def masked_logits(logits: torch.Tensor, grammar, bitmask: torch.Tensor) -> torch.Tensor:
+    """A copy of one row of logits (V,) with every token the bitmask forbids at -inf."""
+    row = logits.detach().float().reshape(1, -1).clone()
+    v = min(row.shape[-1], bitmask.shape[-1] * 32)
+    part = row[:, :v].contiguous()
+    grammar.apply_vocab_mask(part.cpu() if part.device.type != "cpu" else part, bitmask[:, : (v + 31) // 32])
+    out = torch.full_like(row, float("-inf"))
+    out[:, :v] = part.to(row.device)
+    return out[0]
+
+
+def grammar_topk(logits: torch.Tensor, grammar, path: Sequence[int], k: int, vocab_size: int):
+    """Top-k token ids of `logits` (V,) among the tokens the grammar allows after `path`; None when the
+    grammar gives no guidance there (path invalid or grammar finished)."""
+    bitmask = path_bitmask(grammar, path, vocab_size)
+    if bitmask is None:
+        return None
+    return torch.topk(masked_logits(logits, grammar, bitmask), k).indices
+
+
+def grammar_entropy(logits: torch.Tensor, grammar, vocab_size: int) -> float | None:
+    """Entropy (nats) of softmax(logits) restricted to the tokens the grammar allows next (renormalised)."""
+    bitmask = path_bitmask(grammar, (), vocab_size)
+    if bitmask is None:
+        return None
+    row = masked_logits(logits, grammar, bitmask)
+    if not torch.isfinite(row).any():
+        return None
+    logp = torch.log_softmax(row, -1)
+    p = logp.exp()
+    return float(-(p * logp.masked_fill(p == 0, 0.0)).sum())

@@ -1,0 +1,68 @@
+"""ENTMTP's SGLang-side settings: the tree-set resolution order, validation, the grammar switch, tree pins.
+
+Pure Python: entmtp_sglang.sglang.config imports nothing of SGLang.
+"""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from entmtp_sglang.sglang.config import (ENV_GRAMMAR_DRAFT, ENV_TREE_SET, PIN_KEY, EntMtpConfig, pinned_index,
+                                         resolve_tree_set_path)
+from entmtp_sglang.tree.treeset import TreeSetError, shipped_tree_set
+
+
+def args(tmp_path, adaptive=None):
+    return SimpleNamespace(model_path=str(tmp_path / "entmtp-tiny") + "/", speculative_adaptive_config=adaptive)
+
+
+def test_tree_set_resolution_order(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_TREE_SET, raising=False)
+    default = shipped_tree_set("eagle", "mixed")
+    assert resolve_tree_set_path(None) == default
+    other = tmp_path / "set.json"
+    other.write_text(json.dumps({"format": "entmtp-tree-set"}))
+    assert resolve_tree_set_path(str(other)) == other
+    # an SGLang adaptive config that is not a tree set is SGLang's, not ours
+    sglang_cfg = tmp_path / "adaptive.json"
+    sglang_cfg.write_text(json.dumps({"candidate_steps": [1, 3]}))
+    assert resolve_tree_set_path(str(sglang_cfg)) == default
+    monkeypatch.setenv(ENV_TREE_SET, str(tmp_path / "env.json"))
+    assert resolve_tree_set_path(str(other)) == tmp_path / "env.json"
+
+
+def test_config_validates_and_reads_the_grammar_switch(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_TREE_SET, raising=False)
+    monkeypatch.delenv(ENV_GRAMMAR_DRAFT, raising=False)
+    cfg = EntMtpConfig.from_server_args(args(tmp_path))
+    assert cfg.model_name == "entmtp-tiny" and cfg.grammar_drafting
+    assert cfg.load_tree_set().drafter == "eagle"
+    monkeypatch.setenv(ENV_GRAMMAR_DRAFT, "0")
+    assert not EntMtpConfig.from_server_args(args(tmp_path)).grammar_drafting
+    monkeypatch.setenv(ENV_GRAMMAR_DRAFT, "maybe")
+    with pytest.raises(ValueError, match=ENV_GRAMMAR_DRAFT):
+        EntMtpConfig.from_server_args(args(tmp_path))
+    with pytest.raises(ValueError, match="hysteresis"):
+        EntMtpConfig(tree_set_path=tmp_path, model_name="m", hysteresis=1.5)
+    with pytest.raises(ValueError, match="max_nodes"):
+        EntMtpConfig(tree_set_path=tmp_path, model_name="m", max_nodes=0)
+
+
+def test_a_tree_set_for_another_model_names_the_model(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_TREE_SET, raising=False)
+    cfg = EntMtpConfig(tree_set_path=shipped_tree_set("eagle", "mixed"), model_name="llama-3-8b")
+    with pytest.raises(TreeSetError, match="llama-3-8b"):
+        cfg.load_tree_set()
+
+
+def test_pinned_index_needs_every_request_to_agree():
+    names = {"chain:0": 0, "b0n4d3": 3}
+    assert pinned_index([{PIN_KEY: "b0n4d3"}] * 3, names) == (3, None)
+    assert pinned_index([{PIN_KEY: "chain:0"}], names) == (0, None)
+    assert pinned_index([{PIN_KEY: "b0n4d3"}, {PIN_KEY: "chain:0"}], names) == (None, None)
+    assert pinned_index([{PIN_KEY: "b0n4d3"}, None], names) == (None, None)
+    assert pinned_index([None, {}], names) == (None, None)
+    assert pinned_index([{PIN_KEY: "nope"}] * 2, names) == (None, "nope")
