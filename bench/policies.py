@@ -28,7 +28,7 @@ from entmtp_sglang.calibrate import (CalibrationConfig, PositionRecord, fit_step
                                      measure_step_costs, record_positions, simulate)
 from entmtp_sglang.engine.engine import Engine
 from entmtp_sglang.model.load import load_bundle
-from entmtp_sglang.policy.policies import AdaptiveEMAPolicy, EntMTPPolicy, OraclePolicy, StaticPolicy
+from entmtp_sglang.policy.policies import HYSTERESIS, AdaptiveEMAPolicy, EntMTPPolicy, OraclePolicy, StaticPolicy
 from entmtp_sglang.tasks import load_prompts
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.construct import accepted_on, independent_tree
@@ -50,9 +50,13 @@ def head_accuracy(records: list[PositionRecord], max_rank: int) -> list[list[flo
 
 
 def with_costs(ts: TreeSet, cost) -> TreeSet:
-    """The tree set with every tree's batch-1 cost taken from `cost` (a model fitted on this machine now)."""
+    """The tree set with every tree's batch-1 cost taken from `cost` (a model fitted on this machine now),
+    and "no speculation" (chain:0, nothing accepted) added when missing, as `entmtp bench` does."""
+    entries = list(ts.trees)
+    if not any(e.tree.num_nodes == 1 for e in entries):
+        entries.insert(0, TreeEntry(Tree.chain(0), (0.0,) * ts.num_bins, {1: 1.0}))
     return dataclasses.replace(ts, trees=tuple(TreeEntry(e.tree, e.expected_accepted, {1: cost(e.tree)})
-                                               for e in ts.trees))
+                                               for e in entries))
 
 
 def task_items(task: str, n: int) -> list[list[dict]]:
@@ -90,11 +94,21 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policies")
+    ap.add_argument("--combine", type=Path, nargs="+", metavar="JSONL",
+                    help="run nothing: write --out (.jsonl and .md) from the rows of earlier runs (e.g. one "
+                         "run per drafter)")
     args = ap.parse_args(argv)
+    if args.combine:
+        rows = [json.loads(line) for path in args.combine for line in path.read_text().splitlines() if line]
+        write(rows, args.out)
+        return 0
     torch.set_num_threads(args.threads)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
+    if subprocess.run(["git", "status", "--porcelain", "entmtp_sglang/policy", "bench/policies.py"],
+                      capture_output=True, text=True, cwd=ROOT).stdout.strip():
+        commit += "+dirty"  # the policy code differs from that commit
     rows = []
     for drafter in args.drafters:
         bundle = load_bundle(drafter=drafter)
@@ -179,19 +193,23 @@ def main(argv=None) -> int:
                     "repeats": [round(r["tokens_per_s"], 2) for r in rs],
                     "trees_chosen": rs[-1]["trees_chosen"], "static_best_tree": static_best.name,
                     "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "commit": commit,
-                    "step_cost_model": cost.to_json(),
+                    "step_cost_model": cost.to_json(), "entmtp_hysteresis": HYSTERESIS,
                     "machine": f"{torch.get_num_threads()} threads",
                 }
                 rows.append(row)
                 print(f"{drafter:7s} {task:6s} {name:15s} {row['tokens_per_s']:7.1f} tok/s  "
                       f"accepted {row['mean_accepted']:.2f}", flush=True)
-    with open(args.out.with_suffix(".jsonl"), "w") as f:
+    write(rows, args.out)
+    return 0
+
+
+def write(rows: list[dict], out: Path) -> None:
+    with open(out.with_suffix(".jsonl"), "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
     table = markdown(rows)
-    args.out.with_suffix(".md").write_text(table)
+    out.with_suffix(".md").write_text(table)
     print(table)
-    return 0
 
 
 def markdown(rows: list[dict]) -> str:
@@ -211,7 +229,29 @@ def markdown(rows: list[dict]) -> str:
                      f"{captured:.0%} |")
     lines.append("")
     lines.append("Cells: tokens/s (mean accepted drafts per step); median over repeats, batch 1, greedy.")
+    lines.append("")
+    lines.append(goals_line(rows))
     return "\n".join(lines) + "\n"
+
+
+def goals_line(rows: list[dict]) -> str:
+    """How many (drafter, task) cells meet each of the issue's goals, and how far repeats spread."""
+    cells = {}
+    for r in rows:
+        cells.setdefault((r["drafter"], r["task"]), {})[r["policy"]] = r
+    v = {k: {p: r["tokens_per_s"] for p, r in c.items()} for k, c in cells.items()}
+    n = len(v)
+    over = lambda a, b, x: sum(c["entmtp"] >= x * c[b] for c in v.values())  # noqa: E731
+    head = sum(c["oracle"] > c["static-best"] and
+               (c["entmtp"] - c["static-best"]) >= 0.5 * (c["oracle"] - c["static-best"]) for c in v.values())
+    mixed = ", ".join(f"{d} {c['entmtp'] / c['static-best']:.2f}x" for (d, t), c in sorted(v.items()) if t == "mixed")
+    spreads = sorted((max(r["repeats"]) - min(r["repeats"])) / r["tokens_per_s"] for r in rows if len(r["repeats"]) > 1)
+    spread = (f" Repeats of one cell differ by {spreads[len(spreads) // 2]:.0%} at the median and "
+              f"{spreads[-1]:.0%} at worst." if spreads else "")
+    return (f"Goals met, of {n} cells: EntMTP >= 1.15x default static in {over('entmtp', 'default-static', 1.15)}; "
+            f">= 1.05x static-best in {over('entmtp', 'static-best', 1.05)}; >= 1.05x adaptive-EMA in "
+            f"{over('entmtp', 'adaptive-ema', 1.05)}; >= half the oracle's headroom over static-best in {head}. "
+            f"Mixed stream vs static-best (goal 1.15x): {mixed or 'not run'}.{spread}")
 
 
 if __name__ == "__main__":

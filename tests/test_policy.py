@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from entmtp_sglang.engine.engine import StepRecord, StepView
@@ -189,3 +189,166 @@ def test_step_costs_are_measured_in_situ_for_every_tree(random_models):
         costs = measure_step_costs(bundle, trees, [[5, 6, 7], [8, 9]], batch, samples_per_tree=3,
                                    max_new_tokens=20)
         assert set(costs) == {t.parents for t in trees} and all(c > 0 for c in costs.values())
+
+
+# --- EntMTP at batch size: one tree for the batch, plain decoding as an option, acceptance feedback -----
+
+from types import SimpleNamespace  # noqa: E402
+
+import torch  # noqa: E402
+
+from entmtp_sglang.policy.selector import (acceptance_scale, batch_values, select_batch_tree,  # noqa: E402
+                                           speculation_pays, tree_values)
+
+
+def _compute_bound_set(acc_deep=(3.5, 0.2)):
+    """chain:0, chain:1 and chain:4; at batch 32 a step costs in proportion to the tree's nodes (the
+    target verifies 32 x nodes tokens), as on this CPU; at batch 1 chain:4 costs twice a plain step."""
+    trees = (Tree.chain(0), Tree.chain(1), Tree.chain(4))
+    acc = ((0.0, 0.0), (0.9, 0.1), acc_deep)
+    entries = tuple(TreeEntry(t, a, {1: 0.010 * (1 + 0.25 * t.max_depth), 32: 0.1 * t.num_nodes})
+                    for t, a in zip(trees, acc))
+    return TreeSet("entmtp-tiny", "hydra", "code", "draft_entropy", (1.0,), entries)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 60), st.floats(0, 60))
+def test_acceptance_scale_is_bounded_and_neutral_without_history(accepted, expected):
+    s = acceptance_scale(accepted, expected)
+    assert 0.25 <= s <= 2.0
+    assert acceptance_scale(0, 0) == 1.0
+    assert acceptance_scale(accepted + 1, expected) >= s  # more accepted never lowers it
+    with pytest.raises(ValueError):
+        acceptance_scale(1, 1, prior=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.floats(-1, 10), st.integers(1, 32), st.sampled_from([1, 8, 32]),
+       st.one_of(st.none(), st.integers(0, 2)), st.floats(0, 0.3))
+def test_batch_of_equal_requests_chooses_as_one_request(entropy, n, batch, current, hyst):
+    ts = _set()
+    values = sorted(tree_values(ts, ts.bin_of(entropy), batch))
+    gaps = [b / a for a, b in zip(values, values[1:])] + ([values[-1] / tree_values(ts, ts.bin_of(entropy),
+                                                                                   batch)[current]]
+                                                            if current is not None else [])
+    assume(all(abs(g - 1) > 1e-9 and abs(g - 1 - hyst) > 1e-9 for g in gaps))  # no float ties
+    assert select_batch_tree(ts, [entropy] * n, batch, None, current, hyst) == \
+        select_tree(ts, entropy, batch, current, hyst)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1, 10), min_size=1, max_size=32), st.one_of(st.none(), st.integers(1, 6)),
+       st.lists(st.floats(0.25, 2.0), min_size=32, max_size=32))
+def test_batch_selector_returns_a_tree_of_the_set_within_budget(entropies, budget, scales):
+    ts = _set()
+    i = select_batch_tree(ts, entropies, len(entropies), scales[: len(entropies)], max_nodes=budget)
+    assert 0 <= i < len(ts.trees)
+    if budget is not None:
+        assert ts.trees[i].tree.num_nodes <= max(budget, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(-1, 10), min_size=1, max_size=32), st.floats(1.01, 3.0),
+       st.lists(st.floats(0.25, 2.0), min_size=32, max_size=32))
+def test_backs_off_to_plain_when_no_tree_can_pay_for_its_verification(entropies, dearer, scales):
+    """If every tree costs more than (depth + 1) x a plain step, even accepting every draft cannot
+    pay: the batch must decode plainly, whatever the entropies and acceptance scales."""
+    plain = 0.05
+    trees = (Tree.chain(0), Tree.chain(1), Tree.chain(4), Tree((-1, 0, 0, 1)))
+    entries = tuple(TreeEntry(t, (min(2.0, t.max_depth), 0.0),
+                              {32: plain * (dearer * (t.max_depth + 1) if t.max_depth else 1)})
+                    for t in trees)
+    ts = TreeSet("entmtp-tiny", "hydra", "code", "draft_entropy", (1.0,), entries)
+    i = select_batch_tree(ts, entropies, 32, scales[: len(entropies)])
+    assert ts.trees[i].tree.num_nodes == 1
+    assert not speculation_pays(ts, 32, plain)
+
+
+def test_one_predictable_request_does_not_make_the_batch_speculate():
+    ts = _compute_bound_set()
+    # one predictable request would choose chain:4 for itself at batch 1; in a batch of 32 the padding
+    # to its tree makes all 32 pay five times a plain step
+    many = [0.2] + [3.0] * 31
+    assert ts.trees[select_batch_tree(ts, many, 32)].tree.name == "chain:0"
+    assert ts.trees[select_batch_tree(ts, [0.2], 1)].tree.name == "chain:4"  # batch 1: deep
+    values = batch_values(ts, [ts.bin_of(h) for h in many], 32)
+    assert values[0] == max(values)
+    # speculation pays at batch 1, and at batch 32 only if some bin beats a plain step
+    assert speculation_pays(ts, 1, 0.0105)
+    assert not speculation_pays(ts, 32, 0.1)
+    assert speculation_pays(ts, 32, 0.2)  # if plain decoding were that slow, chain:1 would pay
+
+
+def _state(entropies_low: list[bool], vocab: int = 64):
+    """Drafter logits whose entropy is ~0 (peaked) or log(vocab) (uniform) per request."""
+    logits = torch.zeros(len(entropies_low), vocab)
+    for i, low in enumerate(entropies_low):
+        if low:
+            logits[i, 3] = 50.0
+    return SimpleNamespace(root_logits=logits)
+
+
+def test_policy_chooses_one_tree_for_the_batch_through_the_observer():
+    ts = _compute_bound_set()
+    pol = EntMTPPolicy(ts, hysteresis=0.0)
+    low = [True] + [False] * 31
+    pol.observe(_state(low), None, None, [True] * 32)
+    trees = {pol(StepView(i, 0.01 if low[i] else 4.1, (), 32, 10)).name for i in range(32)}
+    assert trees == {"chain:0"}
+    # all predictable: still one tree for all
+    pol.observe(_state([True] * 32), None, None, [True] * 32)
+    chosen = {pol(StepView(i, 0.01, (), 32, 10)).name for i in range(32)}
+    assert len(chosen) == 1
+    # without the observer, each request chooses for itself (batch 1 semantics)
+    alone = EntMTPPolicy(ts, hysteresis=0.0)
+    assert alone(StepView(0, 0.01, (), 1, 10)).name == "chain:4"
+
+
+def test_acceptance_feedback_backs_off_when_drafts_fail():
+    ts = _compute_bound_set()
+    pol = EntMTPPolicy(ts, hysteresis=0.0)
+    hist: list[StepRecord] = []
+    names = []
+    for _ in range(12):  # the set expects 3.5 accepted drafts at low entropy; this stream accepts none
+        t = pol(StepView(0, 0.2, tuple(hist), 1, 10 + len(hist)))
+        names.append(t.name)
+        hist.append(StepRecord(t.name, t.num_nodes, 0, [0.2], 0.2, 0.01))
+    assert names[0] == "chain:4" and names[-1] != "chain:4"
+    assert pol.scale(0) < 0.5
+    # without feedback it keeps believing the calibration
+    blind = EntMTPPolicy(ts, hysteresis=0.0, feedback=False)
+    hist = [StepRecord("chain:4", 5, 0, [0.2], 0.2, 0.01)] * 12
+    assert blind(StepView(0, 0.2, tuple(hist), 1, 22)).name == "chain:4"
+
+
+def test_entmtp_system_runs_without_drafter_unless_speculation_pays():
+    from entmtp_sglang.bench import reference
+
+    ts = _compute_bound_set()
+    measured = {1: True, 32: True}
+
+    def system():
+        s = reference._EntMTP.__new__(reference._EntMTP)
+        s.drafter, s.batch_sizes = "hydra", (1, 32)
+        s.res = SimpleNamespace(ctx=SimpleNamespace(cache={}, log=lambda msg: None), tree_set=lambda *a: ts,
+                                plain_cost=lambda b: {1: 0.0105, 32: 0.1}[b],
+                                admits=lambda d, t, b, n, make: (measured[b], "measured"))
+        return s
+
+    streams = SimpleNamespace(task="code")
+    # predicted: no tree beats a plain step at batch 32, so no drafter (whatever a measurement says)
+    assert system().make_chooser(streams, list(range(32)), 32, 16) is reference.PLAIN_ONLY
+    assert isinstance(system().make_chooser(streams, [0], 1, 16), EntMTPPolicy)
+    # predicted to pay, but measured slower than plain decoding: no drafter either
+    measured[1] = False
+    assert system().make_chooser(streams, [0], 1, 16) is reference.PLAIN_ONLY
+
+
+def test_cost_is_that_of_every_row_the_engine_computes():
+    """One request left of 32: the engine still computes 32 rows padded to its tree, so the policy must
+    price the tree at batch 32, not as if the request were alone."""
+    ts = _compute_bound_set()
+    pol = EntMTPPolicy(ts, hysteresis=0.0)
+    pol.observe(_state([True] * 32), None, None, [True] + [False] * 31)
+    assert pol(StepView(0, 0.01, (), 1, 10)).name == "chain:0"
+    assert EntMTPPolicy(ts, hysteresis=0.0)(StepView(0, 0.01, (), 1, 10)).name == "chain:4"  # truly alone

@@ -12,7 +12,7 @@ from .workload import TASKS
 class BenchConfig:
     tasks: tuple[str, ...] = TASKS
     systems: tuple[str, ...] = ("plain", "static-medusa", "static-hydra", "eagle2-hydra", "adaptive-hydra",
-                                "entmtp-medusa", "entmtp-hydra", "entmtp-batch-hydra", "oracle-medusa",
+                                "entmtp-medusa", "entmtp-hydra", "oracle-medusa",
                                 "oracle-hydra", "hf-greedy", "hf-prompt-lookup")
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     repeats: int = 3

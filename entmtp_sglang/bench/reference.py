@@ -6,8 +6,11 @@
     eagle2-<d>       EAGLE-2 style dynamic tree: draft a wide 48-node candidate tree, verify the nodes
                      with the best cumulative draft confidence, as many as the default static tree has
     adaptive-<d>     SGLang's --speculative-adaptive rule (EMA of accepted length picks the chain depth)
-    entmtp-<d>       EntMTP on the task's shipped tree set, plus "no speculation" (chain:0), with tree
-                     costs measured on this machine at start-up for each batch size of the run
+    entmtp-<d>       EntMTP (policy.EntMTPPolicy) on the task's shipped tree set, plus "no speculation"
+                     (chain:0), with tree costs measured on this machine at start-up for each batch size
+                     of the run: one tree per step for the whole batch, acceptance feedback; no drafter
+                     at all at a batch size where no tree in any entropy bin is expected to beat plain
+                     decoding, or where EntMTP ran slower than plain on the task's calibration prompts
     oracle-<d>       the best tree of that same set at every step, in hindsight (the ceiling)
 
 <d> is medusa or hydra (the drafters with calibrated tree sets); eagle2-eagle uses the EAGLE drafter.
@@ -26,13 +29,14 @@ from ..calibrate import CalibrationConfig, fit_cost_model, load_records, record_
 from ..engine.engine import Engine, StepView, static_chooser
 from ..model.load import load_bundle
 from ..policy.policies import AdaptiveEMAPolicy, Eagle2Policy, EntMTPPolicy, OraclePolicy, StaticPolicy
+from ..policy.selector import speculation_pays
 from ..tasks import TASKS as PROMPT_TASKS
 from ..tasks import load_prompts
 from ..tree import Tree
 from ..tree.construct import accepted_on, independent_tree
 from ..tree.treeset import TreeEntry, TreeSet, load_tree_set, shipped_tree_set
 from .systems import RequestOutcome, System, TaskStreams, register_system
-from .workload import BenchContext, room
+from .workload import MIXED_TURNS, BenchContext, room
 
 MAX_DEPTH = 5  # drafted positions used by every speculative system (the Medusa/Hydra heads have 5)
 MAX_RANK = 6
@@ -87,6 +91,7 @@ class Resources:
         self._acc: dict[str, list[list[float]]] = {}
         self._records: dict[str, list] = {}
         self._costs: dict[tuple, float] = {}
+        self._plain_costs: dict[int, float] = {}  # batch size -> seconds per plain-decoding step
         self._sets: dict[tuple, TreeSet] = {}
         self._ranks: dict[tuple, dict] = {}
 
@@ -193,6 +198,49 @@ class Resources:
                 best[t.parents] = min(best.get(t.parents, m), m)
         for t in todo:
             self._costs[(drafter, t.parents, batch_size)] = best[t.parents]
+
+    def plain_cost(self, batch_size: int) -> float:
+        """Wall time of one step of plain decoding (no drafter at all) at this batch size, measured here."""
+        key = batch_size
+        if key not in self._plain_costs:
+            prompts = self.calib_prompts()
+            batch = [prompts[i % len(prompts)] for i in range(batch_size)]
+            best = None
+            for _ in range(self.ctx.cost_rounds):
+                res = self.engine(None).generate(batch, 2 * self.ctx.cost_steps + 2, static_chooser(Tree.chain(0)))
+                m = statistics.median([s.seconds for s in res[0].steps[1:]] or [s.seconds for s in res[0].steps])
+                best = m if best is None else min(best, m)
+            self._plain_costs[key] = best
+        return self._plain_costs[key]
+
+    def admits(self, drafter: str, task: str, batch_size: int, max_new_tokens: int, make_policy) -> tuple[bool, str]:
+        """Whether speculation with `make_policy()` beat plain decoding, measured: both generate
+        max_new_tokens for max(batch_size, 4) of the task's calibration prompts (never the test split),
+        batch_size at a time, interleaved, best of `cost_rounds`. Returns (faster, a note with the times).
+
+        Why measure: the per-step prediction misses what a static batch adds. The engine computes every
+        row until the batch's slowest request is done, and the drafter's first head costs a step even
+        when nothing is drafted, so speculation that pays per step can still lose per batch."""
+        keep = min(room(self.context_tokens, max_new_tokens), self.ctx.max_prompt_tokens or 10**9)
+        tok = self.tokenizer
+        n = max(batch_size, 4)
+        parts = MIXED_TURNS if task == "mixed" else (task,)
+        items = [it for t in parts for it in load_prompts(t, "calib")]
+        prompts = [tok.encode(items[i % len(items)]["prompt"]).ids[-keep:] for i in range(n)]
+        best = {"plain": float("inf"), "entmtp": float("inf")}
+        for _ in range(self.ctx.cost_rounds):
+            for name in best:
+                t0 = time.perf_counter()
+                for start in range(0, n, batch_size):
+                    chunk = prompts[start:start + batch_size]
+                    if name == "plain":
+                        self.engine(None).generate(chunk, max_new_tokens, static_chooser(Tree.chain(0)))
+                    else:
+                        policy = make_policy()
+                        self.engine(drafter).generate(chunk, max_new_tokens, policy, observer=policy.observe)
+                best[name] = min(best[name], time.perf_counter() - t0)
+        note = (f"measured on {n} calibration prompts: {best['entmtp']:.2f} s vs {best['plain']:.2f} s plain")
+        return best["entmtp"] < best["plain"], note
 
     def cost_model(self, drafter: str, batch_size: int):
         """Seconds per step for any tree: measured for reference shapes, a fitted a + b*nodes + c*depth
@@ -347,100 +395,31 @@ class _Adaptive(ReferenceSystem):
 class _EntMTP(ReferenceSystem):
     def prepare(self, streams, batch_sizes, max_new_tokens):
         super().prepare(streams, batch_sizes, max_new_tokens)
-        self.res.tree_set(self.drafter, streams.task, self.batch_sizes)
+        for b in self.batch_sizes:
+            self._speculates(streams.task, b, max_new_tokens)
+
+    def _speculates(self, task: str, batch_size: int, max_new_tokens: int) -> bool:
+        """Admission at this batch size, once per run: predicted (`selector.speculation_pays`: some tree
+        in some entropy bin beats a plain step), then measured (EntMTP faster than plain decoding on the
+        task's calibration prompts, see `Resources.admits`)."""
+        key = ("entmtp-admits", self.drafter, task, batch_size, max_new_tokens)
+        cache = self.res.ctx.cache
+        if key not in cache:
+            ts = self.res.tree_set(self.drafter, task, self.batch_sizes)
+            if not speculation_pays(ts, batch_size, self.res.plain_cost(batch_size)):
+                cache[key], why = False, "no tree is expected to beat a plain step"
+            else:
+                cache[key], why = self.res.admits(self.drafter, task, batch_size, max_new_tokens,
+                                                  lambda: EntMTPPolicy(ts))
+            self.res.ctx.log(f"[entmtp-{self.drafter}/{task}] batch {batch_size}: "
+                             f"{'speculate' if cache[key] else 'plain decoding'} ({why})")
+        return cache[key]
 
     def make_chooser(self, streams, stream_ids, batch_size, max_new_tokens):
-        return EntMTPPolicy(self.res.tree_set(self.drafter, streams.task, self.batch_sizes))
-
-
-class BatchEntMTPPolicy:
-    """EntMTP that chooses one tree per step for the whole batch, with acceptance feedback (a prototype
-    here, proposed for policy/).
-
-    Why: the engine pads a batch to its widest tree, so one request that speculates makes every request
-    pay for verifying that tree; per-request choices cannot back off at large batch. And the calibrated
-    E[accepted | entropy bin] can be optimistic on new text. So, at every step, from every active
-    request's entropy bin (seen through the engine's observer before any tree is chosen):
-
-        kappa_i  = clip((accepted_i so far + PRIOR) / (expected_i so far + PRIOR), KAPPA_MIN, KAPPA_MAX)
-        value(T) = sum_i (kappa_i * E[accepted | bin_i, T] + 1) / cost(T, active batch size)
-        T*       = argmax value (kept from the last step unless beaten by `hysteresis`); chain:0 is in the set
-
-    `plain_only(tree_set, batch_size)` is the admission gate: if no tree beats plain decoding in any bin
-    at this batch size even with kappa = 1, the system decodes without the drafter at all.
-    Target-entropy signals use each request's history as of its previous step (one step stale)."""
-
-    PRIOR = 2.0  # expected tokens of pseudo-evidence for kappa = 1
-    KAPPA_MIN, KAPPA_MAX = 0.25, 2.0
-
-    def __init__(self, tree_set: TreeSet, window: int = 8, hysteresis: float = 0.05):
-        self.tree_set, self.window, self.hysteresis = tree_set, window, hysteresis
-        self.name = "entmtp-batch"
-        self.stream: dict[int, dict] = {}
-        self.entropy: list[float] | None = None
-        self.active: list[int] = []
-        self.bins: dict[int, int] = {}
-        self.shared: int | None = None
-        self.decided = False
-
-    @staticmethod
-    def plain_only(tree_set: TreeSet, batch_size: int) -> bool:
-        plain = 1.0 / min(t.cost(batch_size) for t in tree_set.trees if t.tree.num_nodes == 1)
-        return all(t.tokens_per_second(b, batch_size) <= plain
-                   for t in tree_set.trees for b in range(tree_set.num_bins))
-
-    def observe(self, state, lens, drafting, active) -> None:
-        self.active = [i for i, a in enumerate(active) if a]
-        if len(self.active) > 1:  # one request alone: its own view carries its entropy
-            from ..engine.sampling import entropy_nats
-
-            self.entropy = entropy_nats(state.root_logits).tolist()
-        else:
-            self.entropy = None
-        self.decided = False
-
-    def kappa(self, index: int) -> float:
-        st = self.stream.get(index, {"real": 0.0, "exp": 0.0})
-        return min(self.KAPPA_MAX, max(self.KAPPA_MIN, (st["real"] + self.PRIOR) / (st["exp"] + self.PRIOR)))
-
-    def _decide(self, view: StepView) -> None:
-        from ..policy.signals import signal_value
-
-        ts = self.tree_set
-        members = self.active if self.entropy is not None else [view.index]
-        for i in members:
-            ent = self.entropy[i] if self.entropy is not None else view.draft_entropy
-            hist = view.history if i == view.index else self.stream.get(i, {}).get("history", ())
-            self.bins[i] = ts.bin_of(signal_value(ts.signal, ent, hist, self.window))
-        values = [sum(self.kappa(i) * t.expected_accepted[self.bins[i]] + 1.0 for i in members)
-                  / t.cost(view.batch_size) for t in ts.trees]
-        best = max(range(len(values)), key=lambda k: values[k])
-        if self.shared is not None and values[self.shared] * (1 + self.hysteresis) >= values[best]:
-            best = self.shared
-        self.shared, self.decided = best, len(members) > 1
-
-    def __call__(self, view: StepView) -> Tree:
-        st = self.stream.setdefault(view.index, {"real": 0.0, "exp": 0.0, "pending": None, "history": ()})
-        if not view.history:
-            st["pending"] = None  # a new request (turn) of the same stream: keep the sums
-        elif st["pending"] is not None:
-            st["real"] += view.history[-1].accepted
-            st["exp"] += st["pending"]
-            st["pending"] = None
-        st["history"] = view.history
-        if not self.decided:
-            self._decide(view)
-        entry = self.tree_set.trees[self.shared]
-        st["pending"] = entry.expected_accepted[self.bins.get(view.index, 0)]
-        return entry.tree
-
-
-class _EntMTPBatch(_EntMTP):
-    def make_chooser(self, streams, stream_ids, batch_size, max_new_tokens):
-        ts = self.res.tree_set(self.drafter, streams.task, self.batch_sizes)
-        if BatchEntMTPPolicy.plain_only(ts, batch_size):
+        if not self._speculates(streams.task, batch_size, max_new_tokens):
             return PLAIN_ONLY
-        return BatchEntMTPPolicy(ts)
+        # run() connects the policy's observer: one tree per step for the whole batch
+        return EntMTPPolicy(self.res.tree_set(self.drafter, streams.task, self.batch_sizes))
 
 
 class _Oracle(ReferenceSystem):
@@ -471,12 +450,10 @@ _KINDS = {
     "static": (_Static, "default static tree (Medusa/Hydra construction from per-head accuracy)"),
     "eagle2": (_Eagle2, "EAGLE-2 style dynamic tree: wide draft, verify the most confident nodes"),
     "adaptive": (_Adaptive, "SGLang --speculative-adaptive rule (EMA of accepted length -> chain depth)"),
-    "entmtp": (_EntMTP, "EntMTP: entropy -> tree from the task's Pareto set (+ no speculation), costs "
-                        "measured here"),
+    "entmtp": (_EntMTP, "EntMTP: one tree per step for the batch from every request's entropy bin, the "
+                        "task's Pareto set plus no speculation, costs measured here, acceptance feedback; "
+                        "no drafter when no tree can beat plain decoding at the batch size"),
     "oracle": (_Oracle, "best tree of the EntMTP set at every step, in hindsight (ceiling)"),
-    "entmtp-batch": (_EntMTPBatch, "EntMTP prototype: one tree per step for the whole batch from all "
-                                   "requests' entropy bins, expected acceptance corrected by realized, no "
-                                   "drafter when no tree can beat plain at this batch size"),
 }
 for _kind, (_cls, _desc) in _KINDS.items():
     for _drafter in ("medusa", "hydra"):
