@@ -53,7 +53,7 @@ def resolve_tree_set_path(adaptive_config: str | None) -> Path:
 class EntMtpConfig:
     tree_set_path: Path
     model_name: str                 # the served model's directory name; the tree set must match it
-    hysteresis: float = 0.05
+    hysteresis: float = 0.02        # as the reference engine's EntMTP policy
     max_nodes: int | None = None
     log_interval_s: float = 30.0
     grammar_drafting: bool = True   # constrained requests: grammar-masked entropy and drafts

@@ -3,18 +3,20 @@
 Per step (per batch: SGLang verifies one `draft_token_num` per batch, so every request of a batch gets the
 same tree):
 1. signal: each request's draft entropy of its next root distribution, computed from the logits the
-   draft-extend pass already produced (no extra forward); the batch's signal is the mean;
-   For a request under a grammar (`json_schema`, `regex`, `ebnf`) the entropy is taken over the tokens
-   the grammar allows next (grammar_draft.py);
-2. `select_tree(tree_set, entropy, batch_size)` (the same pure selector as the reference engine, with
-   hysteresis) picks a tree; its node count becomes this step's `speculative_num_draft_tokens`;
+   draft-extend pass already produced (no extra forward). For a request under a grammar (`json_schema`,
+   `regex`, `ebnf`) the entropy is taken over the tokens the grammar allows next (grammar_draft.py);
+2. `select_batch_tree(tree_set, entropies, batch_size, scales)` (the same pure selector as the reference
+   engine's batch policy, with hysteresis) picks one tree for the batch from every request's entropy bin
+   and its acceptance feedback (accepted drafts so far over the set's expectation); chain:0 in the set
+   means this step decodes without speculation. The tree's node count becomes this step's
+   `speculative_num_draft_tokens`;
 3. the draft expands that tree level by level (each drafted node attends exactly to its ancestors, via
    `entmtp_torch`'s per-row draft slots); a constrained request's drafts are the top-k among the tokens its
    grammar allows after the node's path. The draft hands SGLang the same candidate encoding EAGLE uses, so
    verification, acceptance, KV compaction and grammar walking are SGLang's own code.
 
-Decisions depend only on logits, which are identical on every tensor-parallel rank, and on the batch
-size, so every rank picks the same tree.
+Decisions depend only on logits and accepted counts, which are identical on every tensor-parallel rank,
+and on the batch size, so every rank picks the same tree.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import time
 import torch
 
 from ..kernels import softmax_entropy
-from ..policy.selector import select_tree
+from ..policy.selector import acceptance_scale, select_batch_tree
 from .attention import MultiStepDraftBackend
 from .config import EntMtpConfig, pinned_index
 from .sglang_api import (EAGLEWorkerV2, ForwardContext, forward_context, get_context,
@@ -55,6 +57,8 @@ class EntMtpWorker(EAGLEWorkerV2):
         self._warned: set = set()
         self._last_extend = None
         self._step_reqs: list = []
+        self._step_expected: list[float] | None = None   # E[accepted] of each request under this step's tree
+        self.feedback: dict[str, tuple[float, float]] = {}  # rid -> (accepted drafts, expected drafts)
         self._root_logits: dict[str, torch.Tensor] = {}   # rid -> draft root logits, constrained requests
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
         # The grammar objects are read (and rolled back) on this thread; with the overlap scheduler the
@@ -86,21 +90,28 @@ class EntMtpWorker(EAGLEWorkerV2):
 
     def _choose(self, batch) -> None:
         reqs = batch.reqs
-        plan, h = None, float("nan")
+        plan, h, expected = None, float("nan"), None
         try:
             self._grammar_signals(reqs)
-            hs = [self.entropy.get(r.rid) for r in reqs]
-            known = [h for h in hs if h is not None]
+            hs = [self.entropy.get(r.rid, float("inf")) for r in reqs]
+            known = [x for x in hs if x != float("inf")]
             h = sum(known) / len(known) if known else float("inf")
             room = min(self._room(r) for r in reqs)
             cap = room if self.config.max_nodes is None else min(room, self.config.max_nodes)
             pinned = self._pinned(reqs)
             if pinned is not None and self.plans[pinned].num_nodes <= cap:
-                plan = self.plans[pinned]
+                idx = pinned
             elif cap >= min(p.num_nodes for p in self.plans):
-                idx = select_tree(self.tree_set, h, len(reqs), self.current, self.config.hysteresis, max_nodes=cap)
+                scales = [acceptance_scale(*self.feedback.get(r.rid, (0.0, 0.0))) for r in reqs]
+                idx = select_batch_tree(self.tree_set, hs, len(reqs), scales, self.current,
+                                        self.config.hysteresis, max_nodes=cap)
                 self.current = idx
+            else:
+                idx = None
+            if idx is not None:
                 plan = self.plans[idx]
+                entry = self.tree_set.trees[idx]
+                expected = [entry.expected_accepted[self.tree_set.bin_of(x)] for x in hs]
         except Exception:   # the policy must never fail a request: decode plainly this step
             logger.exception("ENTMTP: tree choice failed; this step decodes without speculation")
         self._plan = plan
@@ -109,6 +120,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.histogram[name] += 1
         self.steps += 1
         self._step_reqs = list(reqs)
+        self._step_expected = expected if plan is not None and plan.num_steps > 0 else None
         for r in reqs:
             visibility.note(r, visibility.TREES, name)
         dw = self._draft_worker
@@ -165,9 +177,13 @@ class EntMtpWorker(EAGLEWorkerV2):
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int = 0) -> None:
         super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size)
         reqs, self._step_reqs = self._step_reqs, []
+        expected, self._step_expected = self._step_expected, None
         if len(reqs) == len(num_correct_drafts_per_req):
-            for r, n in zip(reqs, num_correct_drafts_per_req):
+            for i, (r, n) in enumerate(zip(reqs, num_correct_drafts_per_req)):
                 visibility.note(r, visibility.ACCEPTED, int(n))
+                if expected is not None:    # acceptance feedback: realized vs calibrated, per request
+                    acc, exp = self.feedback.get(r.rid, (0.0, 0.0))
+                    self.feedback[r.rid] = (acc + int(n), exp + expected[i])
 
     def _record_entropy(self, batch) -> None:
         out = self._last_extend
@@ -188,6 +204,7 @@ class EntMtpWorker(EAGLEWorkerV2):
             live = {r.rid for r in batch.reqs}
             self.entropy = {k: v for k, v in self.entropy.items() if k in live}
             self._root_logits = {k: v for k, v in self._root_logits.items() if k in live}
+            self.feedback = {k: v for k, v in self.feedback.items() if k in live}
 
     # -- drafting a fixed tree ----------------------------------------------------------------------
     def _draft_forward_tree(self, forward_batch):
