@@ -1,5 +1,7 @@
 """`entmtp bench`: the harness on the bundled model with tiny settings (rows, table, JSON lines, plots),
-greedy losslessness of every speculative system, the registry, and EntMTP's back-off. No timing asserts."""
+greedy losslessness of every speculative system, the registry, and EntMTP's back-off; the SGLang systems
+against a fake server (request grouping, counts, skipping, servers always stopped) and, marked `sglang`
+and `slow`, against real SGLang servers. No timing asserts."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import json
 
 import pytest
 
-from entmtp_sglang.bench.config import BenchConfig
+from entmtp_sglang.bench.config import SGLANG_SYSTEMS, BenchConfig
 from entmtp_sglang.bench.reference import with_measured_costs
 from entmtp_sglang.bench.report import markdown, write_all
 from entmtp_sglang.bench.runner import OVERALL, run_bench
@@ -22,17 +24,22 @@ TASKS = ("mixed",)  # three turns: prose, JSON, code
 BATCHES = (1, 2)
 
 
+def in_process_systems() -> tuple[str, ...]:
+    """Every registered system that runs in this process (the SGLang ones start servers)."""
+    return tuple(n for n, spec in registry().items() if spec.engine != "sglang")
+
+
 @pytest.fixture(scope="module")
 def small_run():
     """Every registered system on the three-turn mixed session, batch 1 and 2 (a few tokens each)."""
-    cfg = BenchConfig(tasks=TASKS, systems=tuple(registry()), batch_sizes=BATCHES, repeats=1, max_new_tokens=6,
+    cfg = BenchConfig(tasks=TASKS, systems=in_process_systems(), batch_sizes=BATCHES, repeats=1, max_new_tokens=6,
                       prompts=1, cost_steps=1, cost_rounds=1, warmup=False, max_prompt_tokens=48, name="test", threads=1)
     return run_bench(cfg, progress=False, log=lambda *a: None)
 
 
 def test_rows_cover_every_task_system_and_batch(small_run):
     rows = {(r["task"], r["system"], r["batch"]): r for r in small_run.rows}
-    for name in registry():
+    for name in in_process_systems():
         for b in BATCHES:
             if name.startswith("hf-") and b > 1:
                 assert "batch 1 only" in rows[(OVERALL, name, b)]["skipped"]
@@ -80,10 +87,15 @@ def test_table_jsonl_and_plots(small_run, tmp_path):
     files = write_all(small_run, tmp_path)
     md = files["md"].read_text()
     assert md == markdown(small_run)
-    for name in registry():
+    for name in in_process_systems():
         assert f" {name} |" in md
     for b in BATCHES:
-        assert f"### Batch {b}: speedup over plain decoding" in md
+        assert f"### Batch {b}, reference engine: speedup over `plain`" in md
+    assert "### Batch 1, transformers: speedup over `hf-greedy`" in md
+    assert "### Overall (all tasks pooled)" in md and "| entmtp-hydra | reference | " in md
+    assert "| hf-prompt-lookup | transformers | " in md and md.count(" tok/s |") >= 2
+    assert "### Batch 2, transformers" not in md  # every transformers system is n/a at batch 2
+    assert "batch 1 only" in md
     assert "### entmtp-hydra: ratios, cost and choices" in md and "vs oracle-hydra" in md
     lines = [json.loads(x) for x in files["jsonl"].read_text().splitlines()]
     run, results = lines[0], lines[1:]
@@ -183,3 +195,337 @@ def test_cli_help_and_errors(capsys):
     assert "unknown system(s) warp-drive" in capsys.readouterr().err
     assert cli_main(["bench", "--list-systems"]) == 0
     assert "entmtp-hydra" in capsys.readouterr().out
+
+
+# -- SGLang systems ------------------------------------------------------------------------------------
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
+
+from entmtp_sglang.bench import sglang_systems  # noqa: E402
+from entmtp_sglang.bench.cli import add_parser, config_from_args  # noqa: E402
+from entmtp_sglang.bench.systems import Stream, TaskStreams  # noqa: E402
+from entmtp_sglang.sglang.benchmark import ADAPTIVE, ENTMTP, PLAIN, ServerPool, SystemSpec, spec_counts  # noqa: E402
+from entmtp_sglang.sglang.serve import SGLangServer, ServerError  # noqa: E402
+
+EAGLE = sglang_systems.EAGLE_STATIC
+
+
+def test_spec_counts_reads_each_kind_of_response():
+    plain = spec_counts({"meta_info": {"completion_tokens": 9}}, PLAIN)
+    assert (plain.steps, plain.accepted_drafts, plain.verified_tokens, plain.trees) == (8, 0, 8, {})
+    # EAGLE static chain of 3 (4 tokens verified per step): 3 steps, 5 drafts accepted
+    m = {"completion_tokens": 9, "spec_verify_ct": 3, "spec_num_correct_drafts": 5, "spec_accept_length": 3.0}
+    eagle = spec_counts({"meta_info": m}, EAGLE)
+    assert (eagle.steps, eagle.accepted_drafts, eagle.verified_tokens, eagle.trees) == (3, 5, 12, {EAGLE.name: 3})
+    # adaptive: the depth of each step is internal to SGLang, so verified tokens are not known
+    adaptive = spec_counts({"meta_info": m}, ADAPTIVE)
+    assert (adaptive.steps, adaptive.accepted_drafts, adaptive.verified_tokens) == (3, 5, None)
+    # ENTMTP: its per-step trees (with plain-decoding steps) and accepted drafts
+    m = {"completion_tokens": 7, "spec_verify_ct": 3, "entmtp_trees": ["b0n4d3", "plain", "b0n4d3", "chain:0"],
+         "entmtp_accepted": [2, 0, 1, 0]}
+    ent = spec_counts({"meta_info": m}, ENTMTP, {"b0n4d3": 4, "chain:0": 1})
+    assert (ent.steps, ent.accepted_drafts, ent.verified_tokens) == (4, 3, 10)
+    assert ent.trees == {"b0n4d3": 2, "plain": 1, "chain:0": 1} and ent.accepted_per_step == [2, 0, 1, 0]
+    assert spec_counts({"meta_info": m}, ENTMTP, {}).verified_tokens is None  # a tree it does not know
+    # a request that the prefill already finished (one token, e.g. EOS): no steps, nothing verified
+    for spec in (EAGLE, ADAPTIVE, ENTMTP):
+        c = spec_counts({"meta_info": {"completion_tokens": 1}}, spec, {"b0n4d3": 4})
+        assert (c.steps, c.accepted_drafts, c.verified_tokens) == (0, 0, 0), spec.name
+
+
+class FakeServer:
+    """Answers /generate like SGLang: echoes the last prompt token `max_new_tokens` times; counts requests
+    in flight; ENTMTP-style meta_info when asked to."""
+
+    def __init__(self, entmtp: bool = False, delay_s: float = 0.02):
+        self.entmtp, self.delay_s = entmtp, delay_s
+        self.in_flight = self.max_in_flight = 0
+        self.lock = threading.Lock()
+        self.requests: list[dict] = []
+        self.flushes = 0
+        self.running = True
+        self.stopped = False
+
+    def post(self, path, payload=None, timeout_s=600.0):
+        if path == "/flush_cache":
+            self.flushes += 1
+            return {}
+        assert path == "/generate" and payload["sampling_params"]["temperature"] == 0.0
+        with self.lock:
+            self.in_flight += 1
+            self.max_in_flight = max(self.max_in_flight, self.in_flight)
+            self.requests.append(payload)
+        time.sleep(self.delay_s)
+        with self.lock:
+            self.in_flight -= 1
+        n = payload["sampling_params"]["max_new_tokens"]
+        meta = {"completion_tokens": n}
+        if self.entmtp:
+            meta.update(entmtp_trees=["b0n4d3"] * (n // 2), entmtp_accepted=[1] * (n // 2),
+                        spec_verify_ct=n // 2, spec_num_correct_drafts=n // 2)
+        return {"output_ids": [payload["input_ids"][-1]] * n, "meta_info": meta}
+
+    def flush_cache(self):
+        self.post("/flush_cache")
+
+    def stop(self):
+        self.stopped, self.running = True, False
+
+
+class FakePool:
+    def __init__(self, servers):
+        self.servers, self.added, self.stopped = servers, [], 0
+        self.start_seconds, self.log_dir = 1.0, __import__("pathlib").Path("/tmp")
+
+    def add(self, spec):
+        self.added.append(spec.name)
+
+    def __getitem__(self, name):
+        return self.servers[name]
+
+    def stop(self):
+        self.stopped += 1
+        for s in self.servers.values():
+            s.stop()
+
+
+def _streams(n: int, segments: int = 1) -> TaskStreams:
+    return TaskStreams("t", tuple(Stream(tuple((i, 100 + 10 * i + j) for j in range(segments)),
+                                         ("",) * segments, (f"s{i}",)) for i in range(n)))
+
+
+def test_sglang_system_sends_b_concurrent_requests_per_segment(monkeypatch):
+    monkeypatch.setattr(sglang_systems, "sglang_missing", lambda: None)
+    ctx = BenchContext()
+    srv = FakeServer(entmtp=True)
+    ctx.cache["sglang"] = FakePool({ENTMTP.name: srv})
+    system = make_system("sglang-entmtp", ctx)
+    assert (system.engine, system.baseline) == ("sglang", "sglang-plain")
+    system.prepare(_streams(5, 3), (1, 4), 6)
+    assert ctx.cache["sglang"].added == [ENTMTP.name]
+    out = system.run(_streams(5, 3), 4, 6)  # streams 0-3 together, then stream 4; three segments each
+    assert srv.flushes == 1 and srv.max_in_flight == 4
+    # segment j of the first four streams is one call, then segment j + 1, ...; then stream 4 alone
+    assert [(o.stream, o.segment) for o in out] == [(i, j) for j in range(3) for i in range(4)] + [
+        (4, 0), (4, 1), (4, 2)]
+    assert [r["input_ids"] for r in srv.requests[:4]] == [[i, 100 + 10 * i] for i in range(4)]  # token ids
+    for o in out:
+        assert o.output_ids == [100 + 10 * o.stream + o.segment] * 6
+        assert (o.steps, o.accepted_drafts, o.verified_tokens, o.trees) == (3, 3, 12, {"b0n4d3": 3})
+        assert o.policy_seconds is None and 0 < o.seconds <= o.call_seconds
+    first = [o for o in out if o.stream < 4 and o.segment == 0]
+    assert len({o.call_seconds for o in first}) == 1  # one batched call
+    assert first[0].seconds == pytest.approx(first[0].call_seconds / 4)
+    rec = system.record()
+    assert rec["server"]["algorithm"] == "ENTMTP" and rec["tree_set"].endswith(".json")
+    system.close()
+    assert srv.stopped
+
+
+def test_sglang_systems_are_skipped_with_a_message_without_sglang(monkeypatch):
+    monkeypatch.setattr(sglang_systems.importlib.util, "find_spec", lambda name: None)
+    assert "make sglang" in sglang_systems.sglang_missing()
+    logs = []
+    cfg = BenchConfig(tasks=("code",), systems=("plain",) + SGLANG_SYSTEMS, batch_sizes=(1,), repeats=1,
+                      max_new_tokens=3, prompts=1, cost_steps=1, cost_rounds=1, warmup=False, max_prompt_tokens=32,
+                      name="test")
+    res = run_bench(cfg, progress=False, log=logs.append)
+    for name in SGLANG_SYSTEMS:
+        assert any(line.startswith(f"skipping {name}: SGLang is not installed") for line in logs), logs
+        row = next(r for r in res.rows if r["system"] == name)
+        assert "make sglang" in row["skipped"]
+    md = markdown(res)
+    assert "SGLang is not installed" in md and "| sglang-entmtp |" not in md
+    assert any(r["system"] == "plain" and r.get("tokens_per_s") for r in res.rows)
+
+
+class _Boom(System):
+    baseline = "plain"
+
+    def __init__(self, exc):
+        self.exc, self.closed = exc, 0
+
+    def run(self, streams, batch_size, max_new_tokens):
+        raise self.exc
+
+    def close(self):
+        self.closed += 1
+
+
+@pytest.mark.parametrize("exc", [RuntimeError("server died"), KeyboardInterrupt()])
+def test_every_system_is_closed_when_a_run_fails(monkeypatch, exc):
+    """A failing system (or Ctrl-C) still closes every system, so SGLang servers are always stopped."""
+    made = {}
+    monkeypatch.setattr(sglang_systems, "sglang_missing", lambda: None)
+    register_system("test-boom", "test", "raises")(lambda c: made.setdefault("boom", _Boom(exc)))
+    srv = FakeServer()
+    pools = []
+
+    def pool(ctx):
+        if "sglang" not in ctx.cache:
+            ctx.cache["sglang"] = FakePool({PLAIN.name: srv})
+            pools.append(ctx.cache["sglang"])
+        return ctx.cache["sglang"]
+
+    monkeypatch.setattr(sglang_systems, "server_pool", pool)
+    try:
+        cfg = BenchConfig(tasks=("code",), systems=("sglang-plain", "test-boom"), batch_sizes=(1,), repeats=1,
+                          max_new_tokens=3, prompts=1, cost_steps=1, cost_rounds=1, warmup=False,
+                          max_prompt_tokens=32, name="test")
+        with pytest.raises(type(exc)):
+            run_bench(cfg, progress=False, log=lambda *a: None)
+    finally:
+        from entmtp_sglang.bench import systems
+
+        systems._REGISTRY.pop("test-boom", None)
+    assert made["boom"].closed == 1
+    assert pools and pools[0].stopped >= 1 and srv.stopped
+
+
+class _FakeSpec:
+    def __init__(self, name, fail=False):
+        self.name, self.fail = name, fail
+
+    def server(self, log_dir, device_args):
+        outer = self
+
+        class S(FakeServer):
+            log_path = log_dir / f"{outer.name}.log"
+
+            def start(self, wait=True):
+                return self
+
+            def wait_ready(self):
+                if outer.fail:
+                    raise ServerError(f"{outer.name} exited during start-up")
+
+            def generate(self, text, n):
+                return {}
+
+        srv = S()
+        started.append(srv)
+        return srv
+
+
+started: list = []
+
+
+def test_server_pool_starts_all_and_stops_all_also_when_one_fails(tmp_path):
+    started.clear()
+    pool = ServerPool(tmp_path, progress=lambda *a: None)
+    for spec in (_FakeSpec("a"), _FakeSpec("b")):
+        pool.add(spec)
+    with pool:
+        assert set(pool.servers) == {"a", "b"} and pool["a"] is started[0]
+    assert all(s.stopped for s in started) and not pool.servers
+    started.clear()
+    pool = ServerPool(tmp_path, progress=lambda *a: None)
+    for spec in (_FakeSpec("a"), _FakeSpec("b", fail=True), _FakeSpec("c")):
+        pool.add(spec)
+    with pytest.raises(ServerError, match="b exited"):
+        pool.start()
+    assert len(started) == 3 and all(s.stopped for s in started)
+    with pytest.raises(ValueError, match="both named"):
+        pool.add(SystemSpec("x", None))
+        pool.add(SystemSpec("x", "EAGLE"))
+
+
+def test_server_stop_kills_the_whole_process_group(tmp_path):
+    """SGLang forks a scheduler and a detokenizer; stop() must not leave them behind."""
+    pid_file = tmp_path / "child.pid"
+    script = ("import os, subprocess, sys, time\n"
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+              "time.sleep(300)\n")
+
+    class Fake(SGLangServer):
+        def command(self):
+            return [sys.executable, "-c", script]
+
+    srv = Fake(["--device", "cpu"], port=1, log_path=tmp_path / "log")
+    srv.start(wait=False)
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    assert srv.running
+    srv.stop()
+    assert not srv.running
+    time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.kill(child, 0)
+    srv.stop()  # a second stop is harmless
+
+
+def _args(*argv):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_parser(p.add_subparsers())
+    return p.parse_args(["bench", *argv])
+
+
+def test_engines_choose_the_systems_that_run():
+    full = config_from_args(_args())
+    assert full.name == "full" and set(SGLANG_SYSTEMS) <= set(full.run_systems())
+    quick = config_from_args(_args("--quick"))
+    assert quick.name == "quick" and not set(SGLANG_SYSTEMS) & set(quick.run_systems())
+    q_sgl = config_from_args(_args("--quick", "--engines", "sglang"))
+    assert q_sgl.name == "quick_sglang" and q_sgl.run_systems() == SGLANG_SYSTEMS
+    ref = config_from_args(_args("--engines", "reference,transformers"))
+    assert ref.name == "full_reference_transformers" and not set(SGLANG_SYSTEMS) & set(ref.run_systems())
+    named = config_from_args(_args("--quick", "--systems", "sglang-entmtp"))
+    assert named.name == "custom" and named.run_systems() == ("sglang-entmtp",)
+    with pytest.raises(ValueError, match="unknown engine"):
+        config_from_args(_args("--engines", "warp"))
+    with pytest.raises(ValueError, match="no system of engine"):
+        config_from_args(_args("--systems", "plain", "--engines", "sglang"))
+
+
+# -- real SGLang servers (slow) ------------------------------------------------------------------------
+@pytest.mark.sglang
+@pytest.mark.slow
+def test_sglang_systems_in_the_harness_are_lossless_and_leave_no_server():
+    """The four SGLang systems through `run_bench` on real servers: rows, greedy equality with
+    sglang-plain at batch 1 and 4, ENTMTP's trees, and every server process gone afterwards."""
+    if sglang_systems.sglang_missing():
+        if os.environ.get("ENTMTP_REQUIRE_SGLANG") == "1":
+            pytest.fail(sglang_systems.sglang_missing())
+        pytest.skip(sglang_systems.sglang_missing())
+    cfg = BenchConfig(tasks=("code", "mixed"), systems=SGLANG_SYSTEMS, batch_sizes=(1, 4), repeats=1,
+                      max_new_tokens=12, prompts=2, cost_steps=1, cost_rounds=1, max_prompt_tokens=96, name="test")
+    ctxs = []
+    real_pool = sglang_systems.server_pool
+
+    def spy(ctx):
+        if ctx not in ctxs:
+            ctxs.append(ctx)
+        return real_pool(ctx)
+
+    sglang_systems.server_pool = spy
+    try:
+        res = run_bench(cfg, progress=False, log=lambda *a: None)
+    finally:
+        sglang_systems.server_pool = real_pool
+    rows = {(r["task"], r["system"], r["batch"]): r for r in res.rows}
+    for b in (1, 4):
+        for name in SGLANG_SYSTEMS:
+            r = rows[("overall", name, b)]
+            assert r["engine"] == "sglang" and r["tokens_per_s"] > 0 and r["baseline"] == "sglang-plain"
+            if name != "sglang-plain":
+                assert r["lossless"] == 1.0, (name, b)
+                assert r["mean_accepted"] > 0
+        assert sum(rows[("overall", "sglang-entmtp", b)]["trees_chosen"].values()) == \
+            rows[("overall", "sglang-entmtp", b)]["steps"]
+    assert res.meta["systems"]["sglang-entmtp"]["server"]["algorithm"] == "ENTMTP"
+    pool = ctxs[0].cache["sglang"]
+    assert not pool.servers and len(pool.started) == 4  # all four started once, all stopped
+    out = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    for name, pid, port in pool.started:
+        with pytest.raises(ProcessLookupError):  # nothing of the server's process group is left
+            os.killpg(pid, 0)
+        assert f"--port {port}" not in out, name

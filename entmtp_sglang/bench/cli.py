@@ -17,10 +17,18 @@ outputs (in --out):
   bench_<name>.jsonl   one line for the run (config, commit, machine, measured costs) + one per result row
   bench_<name>.md      the tables printed at the end
   bench_<name>_speedup.png, _entropy_trace.png, _accepted_vs_entropy.png
-  <name> is quick, full, or custom when --tasks/--systems/--batch-sizes change the defaults
+  <name> is quick, full, or custom when --tasks/--systems/--batch-sizes change the defaults; --engines
+  adds the engines to the name (bench_quick_sglang.md)
+engines:
+  reference     this package's pure-torch engine: plain, static/EAGLE-2/adaptive/EntMTP/oracle trees
+  transformers  the outside peer: transformers greedy and prompt-lookup assisted generation (batch 1)
+  sglang        SGLang 0.5.23 servers on this CPU: plain, static EAGLE, --speculative-adaptive, ENTMTP;
+                started once per run, stopped at the end (also on errors and Ctrl-C); skipped with a
+                message when SGLang is not installed (make sglang)
 examples:
-  entmtp bench --quick                               # < 10 minutes on 2 CPU cores
-  entmtp bench                                       # the full run (see bench/TASKS.md for its duration)
+  entmtp bench --quick                               # < 10 minutes on 2 CPU cores (reference + transformers)
+  entmtp bench --quick --engines sglang              # the SGLang systems alone, quick settings
+  entmtp bench                                       # the full run, all three engines (README: duration)
   entmtp bench --tasks code,json --systems plain,static-hydra,entmtp-hydra --batch-sizes 1,8
   entmtp bench --list-systems
 """
@@ -46,19 +54,24 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench", help="benchmark systems x tasks x batch sizes; print a table, write JSON lines and plots",
         description="Benchmark decoding systems (plain, static Medusa/Hydra trees, EAGLE-2 dynamic trees, "
-                    "SGLang's adaptive rule, EntMTP, the oracle, transformers prompt lookup) on the held-out "
-                    "prompt sets, side by side.",
+                    "SGLang's adaptive rule, EntMTP, the oracle, transformers prompt lookup on the reference "
+                    "engine and transformers; SGLang plain, static EAGLE, --speculative-adaptive and the ENTMTP "
+                    "plugin as SGLang servers) on the held-out prompt sets, side by side.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true",
                    help="a short run (< 10 minutes on 2 cores): all tasks, batch 1 and 32, the Hydra drafter's "
                         "systems plus plain and transformers, 2 streams per task at batch 1, 16 new tokens, "
-                        "prompts cut to 256 tokens, 2 repeats, the oracle at batch 1 only (explicit options "
-                        "still override)")
+                        "prompts cut to 256 tokens, 2 repeats, the oracle at batch 1 only; the SGLang engine is "
+                        "off (add --engines sglang to run its systems alone with these settings); explicit "
+                        "options still override")
     p.add_argument("--tasks", type=_csv(str), default=None,
                    help=f"comma-separated tasks (default: all: {','.join(TASKS)})")
     p.add_argument("--systems", type=_csv(str), default=None,
                    help=f"comma-separated systems (default: {','.join(d['systems'].default)}; see "
                         "--list-systems); each system's baseline is added when missing")
+    p.add_argument("--engines", type=_csv(str), default=None,
+                   help="comma-separated engines whose systems run: reference, transformers, sglang "
+                        "(default: all three; --quick: reference,transformers)")
     p.add_argument("--batch-sizes", type=_csv(int), default=None,
                    help=f"comma-separated batch sizes (default: {','.join(map(str, d['batch_sizes'].default))})")
     p.add_argument("--repeats", type=int, default=None,
@@ -68,8 +81,9 @@ def add_parser(sub) -> None:
     p.add_argument("--prompts", type=int, default=None,
                    help=f"streams per task at batch 1; batch b uses max(prompts, b) (default: {d['prompts'].default})")
     p.add_argument("--max-prompt-tokens", type=int, default=None,
-                   help="keep at most this many last tokens of each prompt (default: as many as fit the "
-                        "512-token context with the new tokens)")
+                   help=f"keep at most this many last tokens of each prompt (default: "
+                        f"{d['max_prompt_tokens'].default}; 0: as many as fit the 512-token context with the new "
+                        "tokens)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads per process (default: 1; 0 = torch's choice). One thread keeps "
                         "timings steady on a shared machine: with 2 intra-op threads and other jobs running, "
@@ -81,16 +95,10 @@ def add_parser(sub) -> None:
     p.add_argument("--list-systems", action="store_true", help="list the registered systems and exit")
 
 
-def main(args) -> int:
-    from .report import write_all
-    from .config import QUICK, BenchConfig
-    from .runner import run_bench
-    from .systems import registry
+def config_from_args(args):
+    """The BenchConfig the options ask for (raises ValueError for a bad one)."""
+    from .config import ENGINES, QUICK, BenchConfig
 
-    if args.list_systems:
-        for name, spec in registry().items():
-            print(f"{name:18s} [{spec.engine}] {spec.description}")
-        return 0
     kw = dict(QUICK) if args.quick else {}
     custom = False
     for opt, key in (("tasks", "tasks"), ("systems", "systems"), ("batch_sizes", "batch_sizes")):
@@ -102,16 +110,46 @@ def main(args) -> int:
             kw[opt] = getattr(args, opt)
     if custom:
         kw["name"] = "custom"
+    if args.systems is not None and args.engines is None:
+        kw["engines"] = None  # systems named explicitly run whatever their engine
+    if args.engines is not None:
+        if tuple(args.engines) != (kw.get("engines") or ENGINES) and not custom:
+            kw["name"] = kw.get("name", "full") + "_" + "_".join(args.engines)
+        kw["engines"] = args.engines
     if args.threads is not None:
         kw["threads"] = args.threads
     kw["model_dir"] = str(args.model) if args.model else None
+    return BenchConfig(**kw)
+
+
+def main(args) -> int:
+    from .report import write_all
+    from .runner import run_bench
+    from .systems import registry
+
+    if args.list_systems:
+        for name, spec in registry().items():
+            print(f"{name:18s} [{spec.engine}] {spec.description}")
+        return 0
     try:
-        cfg = BenchConfig(**kw)
+        cfg = config_from_args(args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    import signal
+
+    def on_sigterm(signum, frame):  # unwind through the runner's finally, which stops the servers
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     t0 = time.perf_counter()
-    result = run_bench(cfg)
+    try:
+        result = run_bench(cfg)
+    except KeyboardInterrupt:
+        print("interrupted; every server the run started has been stopped", file=sys.stderr)
+        return 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     files = write_all(result, args.out, plots=not args.no_plots)
     print(files["md"].read_text())
     print(f"wrote {', '.join(str(p) for p in files.values())}")

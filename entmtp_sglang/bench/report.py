@@ -8,6 +8,7 @@ from pathlib import Path
 from .runner import OVERALL, BenchResult
 
 PLOT_NAMES = ("speedup", "entropy_trace", "accepted_vs_entropy")
+ENGINE_TITLES = {"reference": "reference engine", "transformers": "transformers", "sglang": "SGLang 0.5.23 servers"}
 
 
 def _fmt_speed(row: dict | None) -> str:
@@ -39,23 +40,41 @@ def markdown(result: BenchResult) -> str:
                f"{m['torch_threads']} threads. Greedy; held-out (test) prompts; {cfg.max_new_tokens} new tokens "
                f"per request; {cfg.prompts} streams per task at batch 1 (max(prompts, b) at batch b); median of "
                f"{cfg.repeats} interleaved repeats.")
+    servers = [info for info in meta["systems"].values() if info.get("server")]
+    if servers:
+        start = next((i["server_start_seconds"] for i in servers if i.get("server_start_seconds")), None)
+        out.append("")
+        out.append(f"SGLang: {len(servers)} servers (bundled model, its EAGLE drafter, float32, `--sleep-on-idle`), "
+                   "started together once" + (f" in {start:.0f} s" if start else "") + "; batch b = b concurrent "
+                   "HTTP requests on the same token ids as the reference engine, radix cache flushed before each "
+                   "measurement.")
     out.append("")
+    engines = list(dict.fromkeys(info["engine"] for info in meta["systems"].values()))
+    out += overall_table(result)
     for b in cfg.batch_sizes:
-        out.append(f"### Batch {b}: speedup over plain decoding (mean accepted drafts per step)")
-        out.append("")
-        out.append("| task | " + " | ".join(systems) + " |")
-        out.append("|---|" + "---|" * len(systems))
-        for t in tasks:
-            cells = []
-            for s in systems:
-                r = idx.get((t, s, b))
-                cells.append("n/a" if (s, b) in result.skipped else _fmt_speed(r))
-            out.append(f"| {t} | " + " | ".join(cells) + " |")
-        out.append("")
-    out.append("Baseline columns (`plain`, `hf-greedy`) show tokens/s; the others show the ratio of tokens/s to "
-               "their own engine's baseline in the same repeat (median over repeats): reference-engine systems "
-               "against `plain`, `hf-prompt-lookup` against `hf-greedy`. n/a: the system does not serve that "
-               "batch size.")
+        for engine in engines:  # one table per engine: ratios are within an engine only
+            cols = [s for s in systems if meta["systems"][s]["engine"] == engine]
+            if all((s, b) in result.skipped for s in cols):
+                continue
+            base = meta["systems"][cols[0]]["baseline"]
+            out.append(f"### Batch {b}, {ENGINE_TITLES.get(engine, engine)}: speedup over `{base}` "
+                       "(mean accepted drafts per step)")
+            out.append("")
+            out.append("| task | " + " | ".join(cols) + " |")
+            out.append("|---|" + "---|" * len(cols))
+            for t in tasks:
+                cells = []
+                for s in cols:
+                    r = idx.get((t, s, b))
+                    cells.append("n/a" if (s, b) in result.skipped else _fmt_speed(r))
+                out.append(f"| {t} | " + " | ".join(cells) + " |")
+            out.append("")
+    baselines = ", ".join(f"`{x}`" for x in sorted({info["baseline"] for info in meta["systems"].values()}))
+    note = (f"Baseline columns ({baselines}) show tokens/s; the others show the ratio of tokens/s to their own "
+            "engine's baseline in the same repeat (median over repeats). Accepted drafts exclude the bonus token.")
+    if result.skipped:
+        note += " n/a: not run at that batch size (" + "; ".join(sorted(set(result.skipped.values()))) + ")."
+    out.append(note)
     out.append("")
     out += entmtp_detail(result)
     bad = [r for r in result.rows if r.get("lossless") is not None and r["lossless"] < 1 and r["task"] != OVERALL]
@@ -69,15 +88,34 @@ def markdown(result: BenchResult) -> str:
     return "\n".join(out)
 
 
+def overall_table(result: BenchResult) -> list[str]:
+    """One row per system, one column per batch size: all tasks pooled (the summary the README shows)."""
+    idx = _rows(result)
+    meta, bs = result.meta, result.config.batch_sizes
+    out = ["### Overall (all tasks pooled): speedup over the engine's baseline (mean accepted drafts per step)", "",
+           "| system | engine | " + " | ".join(f"batch {b}" for b in bs) + " |", "|---|---|" + "---|" * len(bs)]
+    for s, info in meta["systems"].items():
+        cells = ["n/a" if (s, b) in result.skipped else _fmt_speed(idx.get((OVERALL, s, b))) for b in bs]
+        if all(c == "n/a" for c in cells):
+            continue
+        out.append(f"| {s} | {info['engine']} | " + " | ".join(cells) + " |")
+    out.append("")
+    return out
+
+
 def entmtp_detail(result: BenchResult) -> list[str]:
     idx = _rows(result)
     systems = list(result.meta["systems"])
     out = []
-    for e in [s for s in systems if s.startswith("entmtp")]:
-        d = e.rsplit("-", 1)[1] if "-" in e else ""
-        statics = [s for s in systems if s.startswith("static")]
-        cols = [("static-" + d, f"vs static-{d}"), ("best-static", "vs best static"),
-                ("adaptive-" + d, f"vs adaptive-{d}"), ("oracle-" + d, f"vs oracle-{d}")]
+    for e in [s for s in systems if s.startswith("entmtp") or s == "sglang-entmtp"]:
+        if e == "sglang-entmtp":  # SGLang's own static tree and adaptive rule, same server build
+            statics = []
+            cols = [("sglang-eagle", "vs sglang-eagle"), ("sglang-adaptive", "vs sglang-adaptive")]
+        else:
+            d = e.rsplit("-", 1)[1] if "-" in e else ""
+            statics = [s for s in systems if s.startswith("static")]
+            cols = [("static-" + d, f"vs static-{d}"), ("best-static", "vs best static"),
+                    ("adaptive-" + d, f"vs adaptive-{d}"), ("oracle-" + d, f"vs oracle-{d}")]
         cols = [(k, h) for k, h in cols if k == "best-static" and statics or k in systems]
         out.append(f"### {e}: ratios, cost and choices")
         out.append("")
@@ -104,7 +142,8 @@ def entmtp_detail(result: BenchResult) -> list[str]:
                 total = sum(r["trees_chosen"].values()) or 1
                 top = ", ".join(f"{n} {c / total:.0%}" for n, c in list(r["trees_chosen"].items())[:3])
                 pol = f"{r['policy_us_per_step']:.0f}" if r.get("policy_us_per_step") is not None else "-"
-                out.append("| " + " | ".join([str(b), t] + cells + [f"{r['verified_per_token']:.2f}", pol, top]) + " |")
+                ver = f"{r['verified_per_token']:.2f}" if r.get("verified_per_token") is not None else "-"
+                out.append("| " + " | ".join([str(b), t] + cells + [ver, pol, top]) + " |")
         out.append("")
     return out
 
@@ -131,7 +170,8 @@ def plot_all(result: BenchResult, out_dir: Path, stem: str) -> list[Path]:
     paths = []
     idx = _rows(result)
     cfg = result.config
-    systems = [s for s, info in result.meta["systems"].items() if s != info["baseline"]]
+    systems = [s for s, info in result.meta["systems"].items() if s != info["baseline"]
+               and any((s, b) not in result.skipped for b in cfg.batch_sizes)]
     tasks = list(cfg.tasks) + [OVERALL]
     # 1. speedup bars per task and system, one panel per batch size
     fig, axes = plt.subplots(len(cfg.batch_sizes), 1, figsize=(max(8, 1.4 * len(tasks) + 2),
@@ -140,13 +180,16 @@ def plot_all(result: BenchResult, out_dir: Path, stem: str) -> list[Path]:
     for ax, b in zip(axes[:, 0], cfg.batch_sizes):
         for k, s in enumerate(systems):
             ys = [(idx.get((t, s, b)) or {}).get("speedup") or 0.0 for t in tasks]
-            ax.bar([i + (k - (len(systems) - 1) / 2) * width for i in range(len(tasks))], ys, width, label=s)
+            ax.bar([i + (k - (len(systems) - 1) / 2) * width for i in range(len(tasks))], ys, width, label=s,
+                   color=plt.get_cmap("tab20")(k % 20))
         ax.axhline(1.0, color="black", lw=0.8)
         ax.set_xticks(range(len(tasks)), tasks)
         ax.set_ylabel("speedup vs baseline")
         ax.set_title(f"batch {b}")
     axes[0, 0].legend(fontsize=7, ncol=min(6, len(systems)), loc="upper left")
-    fig.suptitle(f"entmtp bench ({cfg.name}): tokens/s relative to plain decoding, median of {cfg.repeats}")
+    bases = ", ".join(sorted({info["baseline"] for info in result.meta["systems"].values()}))
+    fig.suptitle(f"entmtp bench ({cfg.name}): tokens/s relative to the same engine's plain decoding "
+                 f"({bases}), median of {cfg.repeats}")
     fig.tight_layout()
     paths.append(out_dir / f"{stem}_speedup.png")
     fig.savefig(paths[-1], dpi=100)

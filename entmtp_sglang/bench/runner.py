@@ -97,7 +97,7 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> BenchResult:
     started = time.time()
     ctx = BenchContext(Path(cfg.model_dir) if cfg.model_dir else None, cfg.cost_steps, cfg.cost_rounds,
                        cfg.oracle_max_batch, cfg.max_prompt_tokens, log=log or tqdm.write)
-    names = list(cfg.systems)
+    names = list(cfg.run_systems())
     systems: dict[str, System] = {n: make_system(n, ctx) for n in names}
     for s in list(systems.values()):  # every speedup needs its baseline in the same run
         if s.baseline not in systems:
@@ -110,6 +110,52 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> BenchResult:
                         for n, s in systems.items()}}
     res = Resources.of(ctx)
     n_streams = max(cfg.streams_at(b) for b in cfg.batch_sizes)
+    result = BenchResult(cfg, meta)
+    for name in order:  # say once, up front, what will not run and why
+        why = {b: systems[name].supports(b) for b in cfg.batch_sizes}
+        if all(why.values()):
+            ctx.log(f"skipping {name}: {why[cfg.batch_sizes[0]]}")
+    try:
+        work = _prepare(cfg, ctx, systems, order, res, n_streams, progress)
+        total = cfg.repeats * len(cfg.batch_sizes) * len(cfg.tasks) * len(order)
+        with tqdm(total=total, desc=f"bench {cfg.name}", unit="run", disable=not progress) as bar:
+            for rep in range(cfg.repeats):
+                rotated = order[rep % len(order):] + order[:rep % len(order)]
+                for b in cfg.batch_sizes:
+                    for task in cfg.tasks:
+                        streams = work[task].head(cfg.streams_at(b))
+                        for name in rotated:
+                            bar.set_postfix_str(f"rep {rep + 1} b{b} {task} {name}")
+                            why = systems[name].supports(b)
+                            if why is None:
+                                outcomes = systems[name].run(streams, b, cfg.max_new_tokens)
+                                result.measurements.append(Measurement(task, name, b, rep, outcomes))
+                            else:
+                                result.skipped[(name, b)] = why
+                            bar.update()
+        for name, s in systems.items():
+            meta["systems"][name].update(s.record())
+    finally:  # servers and other resources are released whatever happened (error, Ctrl-C)
+        _close_all(systems.values(), ctx.log)
+    meta["tree_sets"] = {f"{d}/{t}/b{','.join(map(str, bs))}": [
+        {"name": e.tree.name, "nodes": e.tree.num_nodes, "depth": e.tree.max_depth,
+         "cost_seconds": {str(b): round(c, 6) for b, c in e.cost_seconds.items()}} for e in ts.trees]
+        for (d, t, bs), ts in res._sets.items()}
+    meta["step_costs"] = [  # keys: (drafter, parents, batch), or ("plain", batch) for decoding without a drafter
+        {"drafter": k[0], "batch": k[2], "parents": list(k[1]), "seconds": round(c, 6)} if len(k) == 3 else
+        {"drafter": None, "batch": k[-1], "parents": [-1], "seconds": round(c, 6)}
+        for k, c in res._costs.items() if isinstance(c, float)]
+    meta["default_trees"] = {d: list(t.parents) for d, t in res._default.items()}
+    meta["seconds"] = round(time.time() - started, 1)
+    result.rows = summarise(result, systems, work)
+    return result
+
+
+def _prepare(cfg: BenchConfig, ctx: BenchContext, systems: dict[str, System], order: list[str], res,
+             n_streams: int, progress: bool) -> dict[str, TaskStreams]:
+    """Untimed: build each task's streams, let every system prepare, warm every system up."""
+    from tqdm import tqdm
+
     with tqdm(total=len(cfg.tasks) * (len(order) + 1), desc="prepare", unit="step", disable=not progress) as bar:
         work: dict[str, TaskStreams] = {}
         for task in cfg.tasks:
@@ -123,39 +169,20 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> BenchResult:
                     need = max(cfg.streams_at(b) for b in served)
                     systems[name].prepare(work[task].head(need), served, cfg.max_new_tokens)
                 bar.update()
-        for name in order if cfg.warmup else ():  # warm-up, untimed
-            for b in cfg.batch_sizes:
-                if systems[name].supports(b) is None:
-                    systems[name].run(work[cfg.tasks[0]].head(b), b, 4)
-    result = BenchResult(cfg, meta)
-    total = cfg.repeats * len(cfg.batch_sizes) * len(cfg.tasks) * len(order)
-    with tqdm(total=total, desc=f"bench {cfg.name}", unit="run", disable=not progress) as bar:
-        for rep in range(cfg.repeats):
-            rotated = order[rep % len(order):] + order[:rep % len(order)]
-            for b in cfg.batch_sizes:
-                for task in cfg.tasks:
-                    streams = work[task].head(cfg.streams_at(b))
-                    for name in rotated:
-                        bar.set_postfix_str(f"rep {rep + 1} b{b} {task} {name}")
-                        why = systems[name].supports(b)
-                        if why is None:
-                            outcomes = systems[name].run(streams, b, cfg.max_new_tokens)
-                            result.measurements.append(Measurement(task, name, b, rep, outcomes))
-                        else:
-                            result.skipped[(name, b)] = why
-                        bar.update()
-    for s in systems.values():
-        s.close()
-    meta["tree_sets"] = {f"{d}/{t}/b{','.join(map(str, bs))}": [
-        {"name": e.tree.name, "nodes": e.tree.num_nodes, "depth": e.tree.max_depth,
-         "cost_seconds": {str(b): round(c, 6) for b, c in e.cost_seconds.items()}} for e in ts.trees]
-        for (d, t, bs), ts in res._sets.items()}
-    meta["step_costs"] = [{"drafter": k[0], "batch": k[2], "parents": list(k[1]), "seconds": round(c, 6)}
-                         for k, c in res._costs.items() if isinstance(c, float)]
-    meta["default_trees"] = {d: list(t.parents) for d, t in res._default.items()}
-    meta["seconds"] = round(time.time() - started, 1)
-    result.rows = summarise(result, systems, work)
-    return result
+    for name in order if cfg.warmup else ():  # warm-up, untimed (the first SGLang call starts its servers)
+        for b in cfg.batch_sizes:
+            if systems[name].supports(b) is None:
+                systems[name].run(work[cfg.tasks[0]].head(b), b, 4)
+    return work
+
+
+def _close_all(systems, log) -> None:
+    """close() every system; one failing to close does not keep the others open."""
+    for s in systems:
+        try:
+            s.close()
+        except Exception as e:  # noqa: BLE001 - report and go on closing the rest
+            log(f"closing {s.name} failed: {type(e).__name__}: {e}")
 
 
 def _stats(ms: list[Measurement]) -> dict:
@@ -170,7 +197,8 @@ def _stats(ms: list[Measurement]) -> dict:
         "tokens": sum(len(o.output_ids) for o in outs),
         "steps": steps,
         "mean_accepted": sum(o.accepted_drafts for o in outs) / max(1, steps),
-        "verified_per_token": sum(o.verified_tokens for o in outs) / max(1, produced),
+        "verified_per_token": (sum(o.verified_tokens for o in outs) / max(1, produced)
+                               if all(o.verified_tokens is not None for o in outs) else None),
         "policy_us_per_step": (1e6 * sum(pol) / max(1, steps)) if len(pol) == len(outs) and outs else None,
         "trees_chosen": dict(trees.most_common()),
     }

@@ -1,15 +1,14 @@
 """The `System` interface every benchmarked decoder implements, and the registry that names them.
 
 A system is one way of generating text (an engine plus a tree policy, or an outside library). The
-harness only ever calls the four methods below, so a system that drives a server (SGLang static EAGLE,
-`--speculative-adaptive`, the ENTMTP plugin) is added by one module that subclasses `System` and
-registers a factory; nothing else changes:
+harness only ever calls the methods below, so a new engine is one module that subclasses `System` and
+registers factories; nothing else changes. `sglang_systems.py` is such a module (four SGLang servers):
 
     from entmtp_sglang.bench.systems import RequestOutcome, System, register_system
 
     @register_system("sglang-eagle", engine="sglang", description="SGLang static EAGLE tree")
     def _sglang_eagle(ctx):
-        return MyServerSystem(ctx)           # launch lazily in prepare(), stop in close()
+        return SGLangSystem(ctx, EAGLE_STATIC)   # registered in prepare(), started on first use, stopped in close()
 
 and the module is listed in `SYSTEM_MODULES` (imported when the registry is first read).
 """
@@ -22,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 # modules that register systems when imported; a new engine adds its module here
-SYSTEM_MODULES = ("entmtp_sglang.bench.reference", "entmtp_sglang.bench.hf")
+SYSTEM_MODULES = ("entmtp_sglang.bench.reference", "entmtp_sglang.bench.hf", "entmtp_sglang.bench.sglang_systems")
 
 
 @dataclass(frozen=True)
@@ -66,7 +65,8 @@ class RequestOutcome:
     output_ids: list[int]
     steps: int  # target verification passes after prefill
     accepted_drafts: int  # drafted tokens accepted over all steps
-    verified_tokens: int  # tokens the target scored in those passes (tree nodes, root included)
+    verified_tokens: int | None  # tokens the target scored in those passes (tree nodes, root included); None
+    # when the engine does not report it (SGLang --speculative-adaptive: the depth of each step is internal)
     seconds: float
     call_seconds: float  # wall time of the whole batched call (the request's latency)
     trees: dict[str, int] = field(default_factory=dict)  # tree name -> steps that used it
@@ -89,7 +89,8 @@ class System(ABC):
         prepare(streams, batch_sizes, max_new_tokens)   once per task, untimed (load models, start a
                                                         server, record hindsight data, warm up)
         run(streams, batch_size, max_new_tokens)        timed; may be called many times
-        close()                                         once at the end
+        close()                                         once at the end, also after an error or Ctrl-C
+    record() -> dict                                    what the JSON lines should keep about it (optional)
     """
 
     name: str = ""
@@ -111,7 +112,11 @@ class System(ABC):
         request, and return one RequestOutcome per (stream, segment)."""
 
     def close(self) -> None:
-        """Release what prepare() acquired."""
+        """Release what prepare() acquired (must be safe to call more than once)."""
+
+    def record(self) -> dict:
+        """Settings and facts for the run's JSON line (server arguments, start-up time, ...)."""
+        return {}
 
 
 @dataclass(frozen=True)

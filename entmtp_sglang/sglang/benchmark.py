@@ -8,10 +8,16 @@ bonus included), and for ENTMTP the histogram of trees chosen. Also checks greed
 no-speculation server's outputs (float32 keeps ties out; see tests/test_sglang_server.py).
 
     .venv/bin/python bench/sglang_cpu.py            # writes bench/results/sglang_cpu.{jsonl,md}
+
+The pieces are shared with `entmtp bench` (entmtp_sglang/bench/sglang_systems.py), which runs the same
+server configurations as systems of its harness, on its task streams: `SystemSpec` (a server
+configuration), `ServerPool` (start all, stop all, always), `concurrent_generate` (b requests in flight
+over HTTP) and `spec_counts` (steps, accepted drafts, verified tokens and trees from a response).
 """
 
 from __future__ import annotations
 
+import atexit
 import collections
 import concurrent.futures as cf
 import json
@@ -23,11 +29,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..tasks import load_prompts
-from .serve import SGLangServer
+from .serve import SGLangServer, ServerError
+
+FLOAT32 = ("--dtype", "float32")  # float32 keeps near-tied argmaxes from flipping between batch shapes
 
 
 @dataclass(frozen=True)
 class SystemSpec:
+    """One SGLang server configuration under test (the same build, model and drafter for all)."""
+
     name: str
     speculative: str | None = None
     steps: int = 3
@@ -42,39 +52,143 @@ class SystemSpec:
                                 attention=self.attention, log_path=log_dir / f"{self.name}.log",
                                 extra=device_args)
 
-
-DEFAULT_SYSTEMS = (
-    SystemSpec("plain", None, attention="torch_native"),
-    SystemSpec("eagle-s2-k1-n3", "EAGLE", 2, 1, 3),
-    SystemSpec("eagle-s3-k1-n4", "EAGLE", 3, 1, 4),
-    SystemSpec("eagle-s3-k2-n6", "EAGLE", 3, 2, 6),
-    SystemSpec("eagle-adaptive", "EAGLE", 3, 1, 4, adaptive=True),
-    SystemSpec("entmtp", "ENTMTP"),
-)
-
-
-@dataclass
-class Row:
-    system: str
-    batch: int
-    tokens: int
-    seconds: float
-    accept_lengths: list[float] = field(default_factory=list)
-    trees: collections.Counter = field(default_factory=collections.Counter)
-    equal_to_plain: int | None = None
-    requests: int = 0
-    repeat_tokens_per_s: list[float] = field(default_factory=list)
-
     @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds
+    def static_tree_nodes(self) -> int | None:
+        """Tokens the target verifies per step when the tree is fixed (EAGLE static); None otherwise."""
+        return self.draft_tokens if self.speculative == "EAGLE" and not self.adaptive else None
 
-    @property
-    def mean_accept(self) -> float | None:
-        return statistics.mean(self.accept_lengths) if self.accept_lengths else None
+
+PLAIN = SystemSpec("plain", None, attention="torch_native")
+EAGLE_GRID = (SystemSpec("eagle-s2-k1-n3", "EAGLE", 2, 1, 3),
+              SystemSpec("eagle-s3-k1-n4", "EAGLE", 3, 1, 4),
+              SystemSpec("eagle-s3-k2-n6", "EAGLE", 3, 2, 6))
+ADAPTIVE = SystemSpec("eagle-adaptive", "EAGLE", 3, 1, 4, adaptive=True)
+ENTMTP = SystemSpec("entmtp", "ENTMTP")
+DEFAULT_SYSTEMS = (PLAIN, *EAGLE_GRID, ADAPTIVE, ENTMTP)
+
+
+class ServerPool:
+    """The SGLang servers of one benchmark run: started together, stopped together, whatever happens.
+
+        pool = ServerPool(log_dir)
+        pool.add(spec) ...            # register configurations (nothing starts yet)
+        with pool:                    # start every registered server at once, wait until all answer
+            pool[name].generate(...)  # idle servers sleep (--sleep-on-idle)
+        # all stopped here, also on an exception or KeyboardInterrupt
+
+    `stop()` is also registered with `atexit`, and each server dies with the thread that started it
+    (serve.py), so no server outlives the benchmark."""
+
+    def __init__(self, log_dir: Path, device_args: tuple[str, ...] = FLOAT32, progress=print):
+        self.log_dir, self.device_args, self.progress = Path(log_dir), tuple(device_args), progress
+        self.specs: dict[str, SystemSpec] = {}
+        self.servers: dict[str, SGLangServer] = {}
+        self.start_seconds: float | None = None
+        self.started: list[tuple[str, int, int]] = []  # (name, pid = process group, port) of every start
+        self._atexit = False
+
+    def add(self, spec: SystemSpec) -> None:
+        if self.specs.get(spec.name, spec) != spec:
+            raise ValueError(f"two SGLang configurations are both named {spec.name!r}")
+        self.specs[spec.name] = spec
+
+    def start(self) -> "ServerPool":
+        """Start every registered server not yet running (in parallel) and wait until each answers."""
+        todo = [s for s in self.specs.values() if s.name not in self.servers]
+        if not todo:
+            return self
+        if not self._atexit:
+            atexit.register(self.stop)
+            self._atexit = True
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        t0 = time.perf_counter()
+        try:
+            for spec in todo:
+                srv = self.servers[spec.name] = spec.server(self.log_dir, self.device_args).start(wait=False)
+                proc = getattr(srv, "proc", None)
+                self.started.append((spec.name, proc.pid if proc is not None else -1, getattr(srv, "port", -1)))
+            for spec in todo:
+                srv = self.servers[spec.name]
+                srv.wait_ready()
+                srv.generate("warm up", 8)
+                self.progress(f"SGLang {spec.name} ready (log {srv.log_path})")
+        except BaseException:
+            self.stop()
+            raise
+        self.start_seconds = (self.start_seconds or 0.0) + time.perf_counter() - t0
+        return self
+
+    def __getitem__(self, name: str) -> SGLangServer:
+        srv = self.servers.get(name)
+        if srv is None:
+            self.start()
+            srv = self.servers[name]
+        if not srv.running:
+            raise ServerError(f"SGLang server {name} has exited:\n{srv.log_tail()}")
+        return srv
+
+    def stop(self) -> None:
+        servers, self.servers = self.servers, {}
+        for srv in servers.values():
+            srv.stop()
+
+    def __enter__(self) -> "ServerPool":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def concurrent_generate(srv: SGLangServer, requests: list[dict], concurrency: int) -> tuple[list[dict], float]:
+    """Send `requests` (/generate payloads) with at most `concurrency` in flight, kept full until the list
+    is done; return the responses in order and the wall time of the whole list."""
+    with cf.ThreadPoolExecutor(max(1, min(concurrency, len(requests)))) as pool:
+        t0 = time.perf_counter()
+        outs = list(pool.map(lambda r: srv.post("/generate", r), requests))
+        return outs, time.perf_counter() - t0
+
+
+def generate_payload(prompt: str | list[int], max_new: int) -> dict:
+    """Greedy /generate payload from text or token ids."""
+    key = "text" if isinstance(prompt, str) else "input_ids"
+    return {key: prompt if isinstance(prompt, str) else list(prompt),
+            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new}}
+
+
+@dataclass(frozen=True)
+class SpecCounts:
+    """What one response says about speculation (SGLang's meta_info, plus ENTMTP's fields)."""
+
+    steps: int  # target verification passes after the prefill (decode steps for plain decoding)
+    accepted_drafts: int  # drafted tokens accepted over all steps (bonus tokens excluded)
+    verified_tokens: int | None  # tokens the target scored in those passes; None when not reported
+    trees: dict[str, int]  # tree name -> steps that used it (ENTMTP: its choices; EAGLE static: one)
+    accepted_per_step: list[int]  # ENTMTP only: accepted drafts at each step
+
+
+def spec_counts(out: dict, spec: SystemSpec, tree_nodes: dict[str, int] | None = None) -> SpecCounts:
+    """Read a /generate response. `tree_nodes` maps ENTMTP tree names to node counts (the served set's)."""
+    m = out["meta_info"]
+    trees = list(m.get("entmtp_trees") or [])
+    per_step = [int(x) for x in m.get("entmtp_accepted") or []]
+    verify = int(m.get("spec_verify_ct") or 0)
+    if spec.speculative is None:
+        steps = max(0, int(m["completion_tokens"]) - 1)  # the prefill yields the first token
+        return SpecCounts(steps, 0, steps, {}, [])
+    if spec.speculative == "ENTMTP":  # its own per-step record (empty when the prefill already finished it)
+        nodes = tree_nodes or {}
+        known = all(t == "plain" or t in nodes for t in trees)
+        verified = sum(1 if t == "plain" else nodes[t] for t in trees) if known else None
+        accepted = int(m["spec_num_correct_drafts"]) if "spec_num_correct_drafts" in m else sum(per_step)
+        return SpecCounts(len(trees), accepted, verified, dict(collections.Counter(trees)), per_step)
+    accepted = int(m.get("spec_num_correct_drafts") or 0)
+    nodes = spec.static_tree_nodes
+    verified = verify * nodes if nodes else (0 if verify == 0 else None)
+    return SpecCounts(verify, accepted, verified, {spec.name: verify} if nodes and verify else {}, [])
 
 
 def bench_prompts(per_task: int) -> list[str]:
+    """Text prompts for this script (`entmtp bench` instead sends the token ids of its task streams)."""
     out = []
     for task in ("code", "chat", "math", "prose", "json"):
         out += [it["prompt"][-600:] for it in load_prompts(task, "test", per_task)]
@@ -82,10 +196,7 @@ def bench_prompts(per_task: int) -> list[str]:
 
 
 def run_batch(srv: SGLangServer, prompts: list[str], batch: int, max_new: int) -> tuple[list[dict], float]:
-    t0 = time.perf_counter()
-    with cf.ThreadPoolExecutor(batch) as pool:
-        outs = list(pool.map(lambda p: srv.generate(p, max_new), prompts))
-    return outs, time.perf_counter() - t0
+    return concurrent_generate(srv, [generate_payload(p, max_new) for p in prompts], batch)
 
 
 def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64, repeats: int = 3,
@@ -93,23 +204,17 @@ def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int
         on_repeat=None) -> list[Row]:
     """All servers up at once (idle ones sleep), measurements interleaved: for each repeat, each batch size,
     each system in turn; tokens/s is the median over repeats, so load from elsewhere hits all alike."""
-    log_dir.mkdir(parents=True, exist_ok=True)
     prompts = bench_prompts(per_task)
-    device_args = ("--dtype", dtype)
-    servers = {}
-    try:
-        for spec in systems:
-            servers[spec.name] = spec.server(log_dir, device_args).start(wait=False)
-        for spec in systems:
-            servers[spec.name].wait_ready()
-            servers[spec.name].generate("warm up", 8)
-            progress(f"{spec.name} ready")
+    pool = ServerPool(log_dir, ("--dtype", dtype), progress)
+    for spec in systems:
+        pool.add(spec)
+    with pool:
         runs: dict[tuple[str, int], list[Row]] = collections.defaultdict(list)
         reference: dict[int, list] = {}
         for rep in range(repeats):
             for b in batches:
                 for spec in systems:
-                    outs, secs = run_batch(servers[spec.name], prompts, b, max_new)
+                    outs, secs = run_batch(pool[spec.name], prompts, b, max_new)
                     row = Row(spec.name, b, sum(o["meta_info"]["completion_tokens"] for o in outs), secs,
                               requests=len(outs))
                     for o in outs:
@@ -127,9 +232,6 @@ def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int
                              f"accept {row.mean_accept or 0:.2f}, equal {row.equal_to_plain}/{len(ids)}")
             if on_repeat is not None:
                 on_repeat(_medians(runs, systems, batches), rep + 1)
-    finally:
-        for srv in servers.values():
-            srv.stop()
     return _medians(runs, systems, batches)
 
 

@@ -7,12 +7,19 @@
 `--device cpu`, our `entmtp_torch` attention backend, no CUDA graphs, `--sleep-on-idle` so an idle
 scheduler does not spin a core) for the bundled model and its EAGLE drafter. Only the standard library
 is used to talk HTTP; SGLang itself runs in the child process.
+
+No orphans: the server runs in its own process group (SGLang forks a scheduler and a detokenizer), and
+`stop()` terminates the whole group, then kills what is left. The server also gets SIGTERM from the kernel
+when the thread that started it dies (Linux `PR_SET_PDEATHSIG`), so a benchmark killed with SIGKILL does
+not leave a server behind either; start servers from the main thread for that reason.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -54,6 +61,22 @@ def cpu_args(speculative: str | None, *, model: Path = BUNDLED_MODEL, steps: int
     return args + list(extra)
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask the kernel for SIGTERM when the parent (the thread that started us) dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
 class SGLangServer:
     def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None,
                  log_path: Path | None = None, timeout_s: float = 600.0):
@@ -74,10 +97,15 @@ class SGLangServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "sglang.launch_server", *self.args, "--port", str(self.port)]
+
     def start(self, wait: bool = True) -> "SGLangServer":
-        cmd = [sys.executable, "-m", "sglang.launch_server", *self.args, "--port", str(self.port)]
+        cmd = self.command()
         self._log = open(self.log_path, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env)
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True,
+                                     preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
         if wait:
             self.wait_ready()
         return self
@@ -115,16 +143,35 @@ class SGLangServer:
         return "\n".join(self.log_text().splitlines()[-n:])
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        """Terminate the server and every process it started (its process group); kill what remains."""
+        if self.proc is not None:
+            pgid = self.proc.pid  # the server leads its own process group (start_new_session)
+            if self.proc.poll() is None or _group_alive(pgid):
+                try:
+                    os.killpg(pgid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                try:
+                    self.proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    pass
+                deadline = time.monotonic() + 10
+                while _group_alive(pgid) and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                if _group_alive(pgid):
+                    try:
+                        os.killpg(pgid, signal.SIGKILL)
+                    except (ProcessLookupError, PermissionError):
+                        pass
+                if self.proc.poll() is None:
+                    self.proc.wait(10)
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
 
     def __enter__(self) -> "SGLangServer":
         return self.start() if self.proc is None else self
@@ -149,6 +196,16 @@ class SGLangServer:
     def generate(self, text: str, max_new_tokens: int = 32, temperature: float = 0.0, **sampling) -> dict:
         params = {"temperature": temperature, "max_new_tokens": max_new_tokens, **sampling}
         return self.post("/generate", {"text": text, "sampling_params": params})
+
+    def generate_ids(self, input_ids: list[int], max_new_tokens: int = 32, temperature: float = 0.0,
+                     **sampling) -> dict:
+        """/generate on token ids (no tokenizer round trip: the server sees exactly these tokens)."""
+        params = {"temperature": temperature, "max_new_tokens": max_new_tokens, **sampling}
+        return self.post("/generate", {"input_ids": list(input_ids), "sampling_params": params})
+
+    def flush_cache(self) -> None:
+        """Empty the radix (prefix) cache, so a measurement does not reuse an earlier one's prefill."""
+        self.post("/flush_cache")
 
     def server_info(self) -> dict:
         with urllib.request.urlopen(self.url + "/get_server_info", timeout=60) as r:
