@@ -61,10 +61,9 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.feedback: dict[str, tuple[float, float]] = {}  # rid -> (accepted drafts, expected drafts)
         self._root_logits: dict[str, torch.Tensor] = {}   # rid -> draft root logits, constrained requests
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
-        # The grammar objects are read (and rolled back) on this thread; with the overlap scheduler the
-        # scheduler may be advancing them concurrently, so grammar-aware drafting needs it off.
-        self.grammar_drafting = self.config.grammar_drafting and bool(
-            getattr(server_args, "disable_overlap_schedule", False))
+        # The grammar objects are read (and rolled back) on this thread; under the overlap scheduler the
+        # scheduler may be advancing them concurrently, so grammar-aware drafting skips overlapped batches.
+        self.grammar_drafting = self.config.grammar_drafting
         dw = self._draft_worker
         if dw is not None:
             dw.draft_forward = self._draft_forward_tree
@@ -92,7 +91,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         reqs = batch.reqs
         plan, h, expected = None, float("nan"), None
         try:
-            self._grammar_signals(reqs)
+            self._grammar_signals(batch, reqs)
             hs = [self.entropy.get(r.rid, float("inf")) for r in reqs]
             known = [x for x in hs if x != float("inf")]
             h = sum(known) / len(known) if known else float("inf")
@@ -149,11 +148,11 @@ class EntMtpWorker(EAGLEWorkerV2):
                            ", ".join(self._index_by_name))
         return index
 
-    def _grammar_signals(self, reqs) -> None:
+    def _grammar_signals(self, batch, reqs) -> None:
         """Constrained requests: grammar-masked entropy of the stored root logits, now that the grammar has
         taken the last verified tokens; and the rows whose drafting consults the grammar this step."""
         self._grammars = {}
-        if not self.grammar_drafting:
+        if not self.grammar_drafting or getattr(batch, "enable_overlap", True):
             return
         for i, r in enumerate(reqs):
             g = grammar_draft.live_grammar(r)
