@@ -8,9 +8,10 @@
 # Install: uses .venv if it already has sglang; else creates it and installs sglang 0.5.23 with its CUDA
 # dependencies (pip install sglang==0.5.23) and this package. If wheels were carried in ./wheels, pip
 # installs from there first (--find-links), so no registry is needed.
-# What runs on the GPU: SGLang's own CUDA kernels for the target and draft models; ENTMTP's tree verify and
-# fixed-tree draft use the entmtp_torch attention backend (torch SDPA on CUDA tensors). FlashInfer
-# custom-mask verify and per-tree CUDA graphs for ENTMTP are not implemented yet (README, "GPU").
+# What runs on the GPU: SGLang's own CUDA kernels; target attention, including ENTMTP's tree verify, on
+# SGLang's FlashInfer backend with its custom mask; ENTMTP's fixed-tree draft on entmtp_torch (torch SDPA on
+# CUDA tensors, --speculative-draft-attention-backend) without CUDA graphs: per-tree CUDA graphs are not
+# built (README, "GPU"). Never run yet: no GPU has been lent to this project's sessions.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -27,10 +28,19 @@ from pathlib import Path
 from entmtp_sglang.sglang import serve
 from entmtp_sglang.sglang.benchmark import DEFAULT_SYSTEMS, run, to_markdown, write
 
+cpu_args = serve.cpu_args               # the original, before it is replaced below
+
 def gpu_args(speculative, **kw):
-    args = serve.cpu_args(speculative, **kw)
-    i = args.index("--device"); args[i + 1] = "cuda"
-    i = args.index("--disable-cuda-graph"); del args[i]
+    """The CPU command line, moved to CUDA: target attention (prefill, decode, tree verify with SGLang's
+    custom mask) on FlashInfer with CUDA graphs; ENTMTP drafts its fixed trees with entmtp_torch as the
+    draft backend and runs eagerly (one CUDA graph per tree is not built)."""
+    args = cpu_args(speculative, **kw)
+    args[args.index("--device") + 1] = "cuda"
+    args[args.index("--attention-backend") + 1] = "flashinfer"
+    if speculative == "ENTMTP":
+        args += ["--speculative-draft-attention-backend", "entmtp_torch"]
+    else:
+        del args[args.index("--disable-cuda-graph")]
     return args
 
 serve.cpu_args = gpu_args            # same systems, on the GPU with CUDA graphs on

@@ -131,7 +131,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             backend = dw.draft_attn_backend
             if not isinstance(backend, MultiStepDraftBackend):
                 raise RuntimeError("ENTMTP drafts fixed trees with the entmtp_torch attention backend; start "
-                                   "the server with --attention-backend entmtp_torch (draft backend: "
+                                   "the server with --attention-backend entmtp_torch (CPU) or "
+                                   "--speculative-draft-attention-backend entmtp_torch (GPU) (draft backend: "
                                    f"{type(backend).__name__})")
             backend.set_draft_rows(*_row_tensors(plan))
         if time.monotonic() - self.last_log > self.config.log_interval_s:
