@@ -49,11 +49,11 @@ def head_accuracy(records: list[PositionRecord], max_rank: int) -> list[list[flo
     return acc
 
 
-def with_costs(ts: TreeSet, cost) -> TreeSet:
+def with_costs(ts: TreeSet, cost, add_plain: bool = True) -> TreeSet:
     """The tree set with every tree's batch-1 cost taken from `cost` (a model fitted on this machine now),
     and "no speculation" (chain:0, nothing accepted) added when missing, as `entmtp bench` does."""
     entries = list(ts.trees)
-    if not any(e.tree.num_nodes == 1 for e in entries):
+    if add_plain and not any(e.tree.num_nodes == 1 for e in entries):
         entries.insert(0, TreeEntry(Tree.chain(0), (0.0,) * ts.num_bins, {1: 1.0}))
     return dataclasses.replace(ts, trees=tuple(TreeEntry(e.tree, e.expected_accepted, {1: cost(e.tree)})
                                                for e in entries))
@@ -94,6 +94,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "policies")
+    ap.add_argument("--ablation", action="store_true",
+                    help="also run 'entmtp-h5-nofb', EntMTP as before acceptance feedback: 5%% hysteresis, no "
+                         "feedback, no chain:0 added to the set (rows only, not in the table)")
     ap.add_argument("--combine", type=Path, nargs="+", metavar="JSONL",
                     help="run nothing: write --out (.jsonl and .md) from the rows of earlier runs (e.g. one "
                          "run per drafter)")
@@ -181,6 +184,9 @@ def main(argv=None) -> int:
                 "entmtp": lambda k: EntMTPPolicy(ts),
                 "oracle": oracle,
             }
+            if args.ablation:
+                old = with_costs(sets[task], cost, add_plain=False)
+                policies["entmtp-h5-nofb"] = lambda k: EntMTPPolicy(old, hysteresis=0.05, feedback=False)
             runs: dict[str, list[dict]] = {name: [] for name in policies}
             for rep in range(args.repeats):
                 for name, make in policies.items():
