@@ -12,9 +12,9 @@ SGLANG_SYSTEMS = ("sglang-plain", "sglang-eagle", "sglang-adaptive", "sglang-ent
 
 
 # The defaults are the full run, `entmtp bench` (README: its table and duration): every system of the three
-# engines, all tasks, batch 1, 8 and 32, 4 streams per task at batch 1, 24 new tokens, prompts cut to their
+# engines, all tasks, batch 1, 8 and 32, 4 streams per task at batch 1, 16 new tokens, prompts cut to their
 # last 256 tokens, 2 interleaved repeats, the oracle up to batch 8 (its hindsight recording of 32 streams
-# per task is the slowest set-up step). Sized to finish in about 30-40 minutes on this 2-core machine.
+# per task is the slowest set-up step). Sized to finish in about 25 minutes on this 2-core machine.
 @dataclass(frozen=True)
 class BenchConfig:
     tasks: tuple[str, ...] = TASKS
@@ -24,7 +24,7 @@ class BenchConfig:
     engines: tuple[str, ...] | None = None  # only the systems of these engines run (--engines); None: all
     batch_sizes: tuple[int, ...] = (1, 8, 32)
     repeats: int = 2
-    max_new_tokens: int = 24
+    max_new_tokens: int = 16
     prompts: int = 4  # streams per task at batch 1 (at batch b: max(prompts, b) streams, b at a time)
     threads: int = 1  # torch CPU threads (0 = torch's choice); see the --threads help
     cost_steps: int = 6  # engine steps timed per tree and batch size for the cost measurements
