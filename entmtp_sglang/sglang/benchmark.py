@@ -187,6 +187,29 @@ def spec_counts(out: dict, spec: SystemSpec, tree_nodes: dict[str, int] | None =
     return SpecCounts(verify, accepted, verified, {spec.name: verify} if nodes and verify else {}, [])
 
 
+@dataclass
+class Row:
+    """One system at one batch size: tokens and wall seconds (one repeat, or the median repeat)."""
+
+    system: str
+    batch: int
+    tokens: int
+    seconds: float
+    accept_lengths: list[float] = field(default_factory=list)
+    trees: collections.Counter = field(default_factory=collections.Counter)
+    equal_to_plain: int | None = None
+    requests: int = 0
+    repeat_tokens_per_s: list[float] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds
+
+    @property
+    def mean_accept(self) -> float | None:
+        return statistics.mean(self.accept_lengths) if self.accept_lengths else None
+
+
 def bench_prompts(per_task: int) -> list[str]:
     """Text prompts for this script (`entmtp bench` instead sends the token ids of its task streams)."""
     out = []

@@ -1,0 +1,27 @@
+"""The SGLang side-by-side benchmark's bookkeeping (entmtp_sglang/sglang/benchmark.py), without servers:
+medians over repeats, ratios to plain, the Markdown table. (The servers themselves are exercised by
+tests/test_sglang_server.py and by `bench/sglang_cpu.py`.)"""
+
+from __future__ import annotations
+
+from entmtp_sglang.sglang import benchmark as b
+
+
+def rows(name, batch, tps, accept=None, equal=None):
+    out = []
+    for t in tps:
+        r = b.Row(name, batch, int(t * 10), 10.0, requests=4, equal_to_plain=equal)
+        if accept:
+            r.accept_lengths.append(accept)
+        out.append(r)
+    return out
+
+
+def test_medians_ratios_and_table():
+    runs = {("plain", 1): rows("plain", 1, [10, 30, 20]),
+            ("entmtp", 1): rows("entmtp", 1, [15, 45, 30], accept=2.5, equal=4)}
+    med = b._medians(runs, [b.PLAIN, b.ENTMTP], [1])
+    by = {r.system: r for r in med}
+    assert by["plain"].tokens_per_s == 20 and by["entmtp"].tokens_per_s == 30
+    table = b.to_markdown(med)
+    assert "| entmtp | 1 | 30.0 | 1.50x | 2.50 | 4/4 |" in table, table
