@@ -9,25 +9,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
 
 import pytest
 import torch
 
 from entmtp_sglang.model.load import BUNDLED_MODEL
 from entmtp_sglang.tasks import load_prompts, load_schema
+from entmtp_sglang.testing import import_sglang_or_skip
 
-try:
-    from sglang.srt.constrained.xgrammar_backend import XGrammarGrammarBackend
-
-    HAVE_SGLANG = True
-except Exception:  # pragma: no cover - depends on the environment
-    HAVE_SGLANG = False
-
-if not HAVE_SGLANG:
-    if os.environ.get("ENTMTP_REQUIRE_SGLANG") == "1":
-        raise RuntimeError("ENTMTP_REQUIRE_SGLANG=1 but SGLang does not import; run `make sglang`")
-    pytest.skip("SGLang is not installed (make sglang)", allow_module_level=True)
+XGrammarGrammarBackend = import_sglang_or_skip("sglang.srt.constrained.xgrammar_backend").XGrammarGrammarBackend
 
 from entmtp_sglang.sglang import grammar_draft  # noqa: E402
 

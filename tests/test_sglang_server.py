@@ -18,18 +18,9 @@ from pathlib import Path
 import pytest
 
 from entmtp_sglang.tasks import load_prompts, load_schema
+from entmtp_sglang.testing import import_sglang_or_skip
 
-try:
-    import sglang  # noqa: F401
-
-    HAVE_SGLANG = True
-except Exception:  # pragma: no cover - depends on the environment
-    HAVE_SGLANG = False
-
-if not HAVE_SGLANG:
-    if os.environ.get("ENTMTP_REQUIRE_SGLANG") == "1":
-        raise RuntimeError("ENTMTP_REQUIRE_SGLANG=1 but SGLang does not import; run `make sglang`")
-    pytest.skip("SGLang is not installed (make sglang)", allow_module_level=True)
+import_sglang_or_skip()
 
 from entmtp_sglang.sglang.serve import SGLangServer  # noqa: E402
 
