@@ -32,7 +32,8 @@ class TracingPolicy(EntMTPPolicy):
 
     def __call__(self, view):
         tree = super().__call__(view)
-        h = signal_value(self.tree_set.signal, view.draft_entropy, view.history, self.window)
+        h = signal_value(self.tree_set.signal, view.draft_value(self.tree_set.signal), view.history,
+                         self.window)
         self.trace.append({"signal": h, "tree": tree.name, "nodes": tree.num_nodes, "depth": tree.max_depth})
         return tree
 

@@ -173,8 +173,7 @@ def main(argv=None) -> int:
                             self.seg += 1
                             self.inner = OraclePolicy(ts, [by_prompt.get(seg_index[(k, self.seg)], [])],
                                                       [len(streams[k][self.seg])])
-                        return self.inner(view.__class__(0, view.draft_entropy, view.history,
-                                                         view.batch_size, view.position))
+                        return self.inner(dataclasses.replace(view, index=0))
                 return StreamOracle()
 
             policies = {

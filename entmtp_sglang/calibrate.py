@@ -2,11 +2,11 @@
 
     entmtp calibrate --drafter medusa --task code
 
-1. Decode the calibration prompts greedily; at every position record the drafter's entropy for the
-   next position, the target's entropy, and the rank vector of the true continuation (see
-   `tree.construct`).
-2. Pick the entropy signal that best predicts acceptance (largest |correlation|) and split its
-   range into quantile bins.
+1. Decode the calibration prompts greedily; at every position record the drafter's entropy and top-1
+   margin for the next position, the target's entropy, and the rank vector of the true continuation
+   (see `tree.construct`).
+2. Pick the signal that best predicts acceptance (largest |correlation| with the accepted chain length;
+   `policy/signals.py`) and split its range into quantile bins.
 3. Per bin and node budget, build the tree that maximises the empirical expected accepted length.
 4. Measure the step time of the candidate trees in situ (real engine steps, all trees interleaved
    step by step so they share the machine's conditions; batch 1, 8, 32), fit
@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from .engine.engine import Engine, static_chooser
-from .engine.sampling import entropy_nats
+from .engine.sampling import entropy_nats, top_margin
 from .model.load import Bundle
 from .policy.signals import ema, window_mean
 from .tree import Tree
@@ -68,6 +68,7 @@ class PositionRecord:
     draft_entropy: float
     target_entropy: float  # target entropy after the root (known once this position is verified)
     ranks: tuple[int, ...]
+    draft_margin: float = math.nan  # drafter top-1 minus top-2 probability (nan: an older record)
 
     @property
     def chain_accepted(self) -> int:
@@ -118,18 +119,18 @@ def record_positions(bundle: Bundle, prompts: list[list[int]], cfg: CalibrationC
                         prefix = [t for t in true[i, :d].tolist() if t >= 0]
                         logits[d][i] = logits[d][i].masked_fill(~g.path_mask(prefix), float("-inf"))
             ranks = torch.stack([_ranks(logits[d], true[:, d], cfg.max_rank) for d in range(k)], 1)
-            ent = entropy_nats(logits[0])
+            ent, margin = entropy_nats(logits[0]), top_margin(logits[0])
             for i in range(len(batch)):
                 if active[i]:
-                    rows[(i, int(lens[i]) - plens[i])] = (float(ent[i]), tuple(ranks[i].tolist()))
+                    rows[(i, int(lens[i]) - plens[i])] = (float(ent[i]), float(margin[i]), tuple(ranks[i].tolist()))
 
         results = engine.generate(batch, cfg.max_new_tokens, static_chooser(plain), observer=observer,
                                   grammars=grammars)
         for i, r in enumerate(results):
             assert r.output_ids == outputs[i], "greedy decoding is not deterministic"
             for s, step in enumerate(r.steps):
-                d_ent, ranks = rows[(i, s)]
-                out.append(PositionRecord(start + i, s, d_ent, step.target_entropy[0], ranks))
+                d_ent, margin, ranks = rows[(i, s)]
+                out.append(PositionRecord(start + i, s, d_ent, step.target_entropy[0], ranks, margin))
         if progress is not None:
             progress.update(len(batch))
     return out
@@ -140,12 +141,15 @@ def signals_of(records: list[PositionRecord], window: int) -> dict[str, list[flo
     by_prompt: dict[int, list[PositionRecord]] = {}
     for r in records:
         by_prompt.setdefault(r.prompt, []).append(r)
-    out = {"draft_entropy": [], "target_window": [], "target_ema": []}
+    out = {"draft_entropy": [], "draft_margin": [], "target_window": [], "target_ema": []}
     for r in records:
         prev = [x.target_entropy for x in by_prompt[r.prompt][max(0, r.pos - 4 * window):r.pos]]
         out["draft_entropy"].append(r.draft_entropy)
+        out["draft_margin"].append(r.draft_margin)
         out["target_window"].append(window_mean(prev[-window:], r.draft_entropy))
         out["target_ema"].append(ema(prev, 0.3, r.draft_entropy))
+    if any(math.isnan(v) for v in out["draft_margin"]):  # records saved before margins were recorded
+        del out["draft_margin"]
     return out
 
 
@@ -313,14 +317,20 @@ def hardware() -> str:
 
 
 def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[list[int]],
-                   cfg: CalibrationConfig, log=print) -> tuple[TreeSet, dict]:
+                   cfg: CalibrationConfig, log=print, signal: str | None = None,
+                   models: dict[int, StepCostModel] | None = None) -> tuple[TreeSet, dict]:
+    """`signal` forces the bins' signal (default: the one that best predicts acceptance); `models` reuses
+    step-cost models per batch size instead of measuring them."""
     depth = min(cfg.max_depth, max(len(r.ranks) for r in records))
     sig = signals_of(records, cfg.window)
     acc = [float(r.chain_accepted) for r in records]
     corr = {k: round(pearson(v, acc), 3) for k, v in sig.items()}
-    # the bins hold empirical trees, so the sign does not matter: take the most informative signal
-    signal = max(corr, key=lambda k: (abs(corr[k]), k == "draft_entropy"))
-    log(f"correlation of each entropy signal with chain acceptance: {corr}; using {signal}")
+    if signal is None:
+        # the bins hold empirical trees, so the sign does not matter: take the most informative signal
+        signal = max(corr, key=lambda k: (abs(corr[k]), k == "draft_entropy"))
+    elif signal not in sig:
+        raise ValueError(f"signal {signal!r} is not in these records (they have {sorted(sig)})")
+    log(f"correlation of each signal with chain acceptance: {corr}; using {signal}")
     edges = quantile_edges(sig[signal], cfg.num_bins)
     bins = [[] for _ in range(len(edges) + 1)]
     import bisect
@@ -337,7 +347,7 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
         cands.setdefault(Tree.chain(d).parents, Tree.chain(d))
     trees = list(cands.values())
     log(f"{len(trees)} candidate trees; step costs from the in-situ model")
-    models = step_cost_models(bundle, prompts, COST_BATCHES, depth, log)
+    models = models or step_cost_models(bundle, prompts, COST_BATCHES, depth, log)
     value = {id(t): [[(expected_accepted(t, recs) + 1) / models[bsz](t) for bsz in COST_BATCHES]
                      for recs in bins] for t in trees}
     keep: set[int] = set()
@@ -401,13 +411,15 @@ def save_records(records: list[PositionRecord], path: Path) -> None:
     import json
 
     path.write_text(json.dumps([[r.prompt, r.pos, round(r.draft_entropy, 4), round(r.target_entropy, 4),
-                                 list(r.ranks)] for r in records]))
+                                 list(r.ranks), round(r.draft_margin, 4)] for r in records]))
 
 
 def load_records(path: Path) -> list[PositionRecord]:
     import json
 
-    return [PositionRecord(p, s, d, t, tuple(r)) for p, s, d, t, r in json.loads(Path(path).read_text())]
+    # [prompt, pos, draft entropy, target entropy, ranks(, draft margin)]: older files lack the margin
+    return [PositionRecord(row[0], row[1], row[2], row[3], tuple(row[4]), *row[5:6])
+            for row in json.loads(Path(path).read_text())]
 
 
 def simulate(records: list[PositionRecord], choose) -> tuple[int, int, float]:

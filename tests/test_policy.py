@@ -5,13 +5,15 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from entmtp_sglang.engine.engine import StepRecord, StepView
 from entmtp_sglang.policy.policies import AdaptiveEMAPolicy, EntMTPPolicy, StaticPolicy
 from entmtp_sglang.policy.selector import select_tree
-from entmtp_sglang.policy.signals import recent_target_entropies, signal_value
+from entmtp_sglang.engine.sampling import entropy_nats
+from entmtp_sglang.policy.signals import draft_signal, least_predictable, recent_target_entropies, signal_value
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.construct import (accepted_on, expected_accepted, greedy_tree, independent_tree,
                                           pareto_front)
@@ -142,8 +144,33 @@ def test_signals():
     assert signal_value("target_window", 9.0, hist, window=2) == 1.5
     assert signal_value("draft_entropy", 9.0, hist) == 9.0
     assert signal_value("target_window", 9.0, (), window=2) == 9.0  # no history yet: the draft signal
-    with pytest.raises(ValueError, match="unknown entropy signal"):
+    assert signal_value("draft_margin", 0.25, hist) == 0.25
+    with pytest.raises(ValueError, match="unknown signal 'nope'"):
         signal_value("nope", 1.0, hist)
+
+
+def test_draft_margin_signal():
+    logits = torch.tensor([[2.0, 1.0, 0.0], [0.0, 0.0, 0.0], [5.0, -float("inf"), -float("inf")]])
+    p = torch.softmax(logits[0], -1)
+    margin = draft_signal("draft_margin", logits)
+    assert margin[0].item() == pytest.approx(float(p[0] - p[1]))
+    assert margin[1].item() == pytest.approx(0.0)  # a tie: no margin
+    assert margin[2].item() == pytest.approx(1.0)  # one allowed token
+    assert torch.allclose(draft_signal("draft_entropy", logits), entropy_nats(logits))
+    assert torch.allclose(draft_signal("target_window", logits), entropy_nats(logits))
+    assert least_predictable("draft_margin") < 0 < least_predictable("draft_entropy")
+    with pytest.raises(ValueError, match="unknown signal"):
+        draft_signal("nope", logits)
+
+
+def test_entmtp_policy_bins_on_the_sets_signal():
+    """A draft_margin set is binned on the margin, not the entropy (high margin = predictable = deep)."""
+    entries = (TreeEntry(Tree.chain(0), (0.0, 0.0), {1: 1.0}), TreeEntry(Tree.chain(4), (0.1, 3.5), {1: 1.5}))
+    ts = TreeSet("entmtp-tiny", "hydra", "code", "draft_margin", (0.5,), entries)
+    pol = EntMTPPolicy(ts)
+    confident = StepView(0, 9.0, (), 1, 10, draft_margin=0.9)   # high entropy, but a clear top-1
+    assert pol(confident).name == "chain:4"
+    assert EntMTPPolicy(ts)(StepView(0, 0.1, (), 1, 10, draft_margin=0.05)).name == "chain:0"
 
 
 def test_adaptive_ema_follows_sglang_rule():
@@ -352,3 +379,49 @@ def test_cost_is_that_of_every_row_the_engine_computes():
     pol.observe(_state([True] * 32), None, None, [True] + [False] * 31)
     assert pol(StepView(0, 0.01, (), 1, 10)).name == "chain:0"
     assert EntMTPPolicy(ts, hysteresis=0.0)(StepView(0, 0.01, (), 1, 10)).name == "chain:4"  # truly alone
+
+
+def test_records_keep_the_margin_and_read_older_files(tmp_path):
+    from entmtp_sglang.calibrate import PositionRecord, load_records, save_records, signals_of
+
+    recs = [PositionRecord(0, i, 1.0 + i, 2.0, (0, 1), 0.5 - 0.1 * i) for i in range(3)]
+    path = tmp_path / "r.jsonl"
+    save_records(recs, path)
+    assert load_records(path) == recs
+    assert signals_of(recs, 8)["draft_margin"] == [r.draft_margin for r in recs]
+    path.write_text(json.dumps([[0, 0, 1.0, 2.0, [0, 1]], [0, 1, 1.5, 2.0, [1, 0]]]))  # before margins
+    old = load_records(path)
+    assert [r.ranks for r in old] == [(0, 1), (1, 0)]
+    assert "draft_margin" not in signals_of(old, 8)  # no margin recorded: not a candidate signal
+
+
+def test_calibration_picks_the_signal_that_predicts_acceptance():
+    """Acceptance follows the margin and not the entropy: calibration bins on the margin; a forced signal
+    is honoured; reused cost models are not re-measured."""
+    import random
+
+    from entmtp_sglang.calibrate import CalibrationConfig, PositionRecord, StepCostModel, build_tree_set
+
+    rng = random.Random(0)
+    recs = []
+    for i in range(400):
+        m = rng.random()
+        ranks = (0, 0, 0) if m > 0.6 else (0, 3, 3) if m > 0.3 else (3, 3, 3)
+        recs.append(PositionRecord(i // 50, i % 50, rng.uniform(0, 5), rng.uniform(0, 5), ranks, m))
+
+    class FakeBundle:  # only the names: costs are given, nothing is measured
+        path = type("P", (), {"name": "entmtp-tiny"})()
+        drafter_kind = "hydra"
+
+    models = {b: StepCostModel(0.01, 0.001, 0.002) for b in (1, 8, 32)}
+    cfg = CalibrationConfig("hydra", "code", max_depth=3, num_bins=3)
+    ts, _ = build_tree_set(FakeBundle(), recs, [], cfg, log=lambda *a: None, models=models)
+    assert ts.signal == "draft_margin"
+    low, high = ts.bin_of(0.1), ts.bin_of(0.9)
+    assert max(e.expected_accepted[high] for e in ts.trees) > 2.5
+    assert max(e.expected_accepted[low] for e in ts.trees) < 0.5
+    forced, _ = build_tree_set(FakeBundle(), recs, [], cfg, log=lambda *a: None, signal="draft_entropy",
+                               models=models)
+    assert forced.signal == "draft_entropy"
+    with pytest.raises(ValueError, match="not in these records"):
+        build_tree_set(FakeBundle(), recs, [], cfg, log=lambda *a: None, signal="bogus", models=models)

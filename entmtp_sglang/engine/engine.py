@@ -20,7 +20,7 @@ from ..model.llama import LlamaForCausalLM
 from ..tree import Tree
 from .batch_tree import pad_trees, tree_attention_mask
 from .draft import DraftState, make_drafting
-from .sampling import SamplingParams, entropy_nats, probs_from_logits
+from .sampling import SamplingParams, entropy_nats, probs_from_logits, top_margin
 from .verify import NO_TOKEN, Accepted, verify_greedy, verify_sampling
 
 
@@ -36,6 +36,7 @@ class StepRecord:
     target_entropy: list[float]  # target entropy (nats) at each accepted position, root first
     draft_entropy: float  # the drafter's entropy for the first drafted position
     seconds: float  # wall time of the whole batch step
+    draft_margin: float = 0.0  # the drafter's top-1 minus top-2 probability there
 
 
 @dataclass
@@ -77,6 +78,11 @@ class StepView:
     history: tuple[StepRecord, ...]
     batch_size: int
     position: int  # tokens committed so far
+    draft_margin: float = 0.0  # drafter top-1 minus top-2 probability for the next position
+
+    def draft_value(self, signal: str) -> float:
+        """This step's draft value for a tree set's signal: the margin for draft_margin, else the entropy."""
+        return self.draft_margin if signal == "draft_margin" else self.draft_entropy
 
 
 @dataclass(frozen=True)
@@ -248,11 +254,13 @@ class Engine:
                     state.root_logits[i] = state.root_logits[i].masked_fill(~m, float("-inf"))
                 legal = _GrammarDraftMasks(grammars, now, state.root_logits.shape[-1])
             d_ent = entropy_nats(state.root_logits)
+            d_margin = top_margin(state.root_logits)
             trees = []
             for i in range(b):
                 tree = Tree.chain(0)
                 if active[i]:
-                    view = StepView(i, float(d_ent[i]), tuple(results[i].steps), sum(active), int(lens[i]))
+                    view = StepView(i, float(d_ent[i]), tuple(results[i].steps), sum(active), int(lens[i]),
+                                    float(d_margin[i]))
                     tree = chooser(view)
                     tree.check_depth(drafting.max_depth, f"the {self.drafter_kind} drafter")
                     if int(lens[i]) + tree.max_depth + 1 > self.context:
@@ -280,7 +288,7 @@ class Engine:
                 if grammars[i] is not None:
                     grammars[i].advance(new)
                 r.steps.append(StepRecord(names[i], trees[i].num_nodes, acc.num_accepted, ent,
-                                          float(d_ent[i]), seconds))
+                                          float(d_ent[i]), seconds, float(d_margin[i])))
                 r.output_ids.extend(new)
                 active[i] = not self._finished(r, max_new_tokens, grammars[i])
         return results

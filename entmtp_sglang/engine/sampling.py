@@ -55,3 +55,12 @@ def entropy_nats(logits: torch.Tensor) -> torch.Tensor:
         return softmax_entropy(logits.float().unsqueeze(0))[0]
     flat = logits.float().reshape(-1, logits.shape[-1])
     return softmax_entropy(flat).reshape(logits.shape[:-1])
+
+
+def top_margin(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> (...) p(top-1) - p(top-2) of softmax(logits). Masked (-inf) entries count as
+    probability 0; a row with a single allowed token has margin 1."""
+    probs = torch.softmax(logits.float(), -1)
+    top = probs.topk(min(2, probs.shape[-1]), -1).values
+    second = top[..., 1] if top.shape[-1] > 1 else torch.zeros_like(top[..., 0])
+    return (top[..., 0] - second).nan_to_num(0.0)

@@ -1,7 +1,7 @@
 """Tree choosers behind one interface (`__call__(view) -> Tree`), so comparisons differ only in policy.
 
 * StaticPolicy       - one tree always.
-* EntMTPPolicy       - entropy bins -> best expected tokens per second in the tree set (which may hold
+* EntMTPPolicy       - signal bins -> best expected tokens per second in the tree set (which may hold
                        chain:0, no speculation), with acceptance feedback and hysteresis; one tree
                        per step for the whole batch when given the engine's observer.
 * AdaptiveEMAPolicy  - SGLang's `--speculative-adaptive` rule: an EMA of accepted length picks the
@@ -15,12 +15,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..engine.engine import StepView
-from ..engine.sampling import entropy_nats
 from ..tree import Tree
 from ..tree.construct import accepted_on
 from ..tree.treeset import TreeSet
 from .selector import acceptance_scale, select_batch_tree, select_tree
-from .signals import signal_value
+from .signals import draft_signal, signal_value
 
 # SGLang 0.5.23 DEFAULT_ADAPTIVE_CONFIG and AdaptiveSpecParams defaults
 SGLANG_ADAPTIVE = {
@@ -58,11 +57,11 @@ class _RequestSums:
 
 
 class EntMTPPolicy:
-    """EntMTP: entropy bins -> the tree with the most expected tokens per second, with acceptance feedback.
+    """EntMTP: signal bins -> the tree with the most expected tokens per second, with acceptance feedback.
 
     At every step, for the active requests i (`selector.select_batch_tree`):
 
-        bin_i   = tree_set.bin_of(signal_i)                      # the set's entropy signal
+        bin_i   = tree_set.bin_of(signal_i)                      # the set's signal (policy/signals.py)
         scale_i = acceptance_scale(drafts i accepted so far, sum of E[accepted | bin, tree] of its steps)
         tree    = argmax_T sum_i (min(scale_i * E[accepted | bin_i, T], depth T) + 1) / cost(T, batch)
                   (the current tree is kept unless the best beats it by `hysteresis`)
@@ -86,7 +85,7 @@ class EntMTPPolicy:
         self.requests: dict[int, _RequestSums] = {}
         self.current: dict[int, int] = {}  # per-request choice (choosing alone)
         self.shared: int | None = None  # the batch's choice (batch mode)
-        self._observed: list[float] | None = None  # this step's draft entropy per batch row
+        self._observed: list[float] | None = None  # this step's draft value (signal_value) per batch row
         self._active: list[int] = []
         self._rows: int | None = None  # rows the engine computes this step (finished requests included)
         self._step_choice: int | None = None
@@ -96,7 +95,8 @@ class EntMTPPolicy:
         """The engine's observer: every request's drafter distribution, before any tree is chosen."""
         self._active = [i for i, a in enumerate(active) if a]
         self._rows = len(active)
-        self._observed = entropy_nats(state.root_logits).tolist() if len(self._active) > 1 else None
+        self._observed = (draft_signal(self.tree_set.signal, state.root_logits).tolist()
+                          if len(self._active) > 1 else None)
         self._step_choice = None
 
     def scale(self, index: int) -> float:
@@ -105,8 +105,8 @@ class EntMTPPolicy:
             return 1.0
         return acceptance_scale(st.accepted, st.expected)
 
-    def _signal(self, draft_entropy: float, history) -> float:
-        return signal_value(self.tree_set.signal, draft_entropy, history, self.window)
+    def _signal(self, draft: float, history) -> float:
+        return signal_value(self.tree_set.signal, draft, history, self.window)
 
     def __call__(self, view: StepView) -> Tree:
         st = self.requests.setdefault(view.index, _RequestSums())
@@ -131,7 +131,7 @@ class EntMTPPolicy:
             idx = self._step_choice
             h = self._signal(self._observed[view.index], view.history)
         else:
-            h = self._signal(view.draft_entropy, view.history)
+            h = self._signal(view.draft_value(ts.signal), view.history)
             idx = select_tree(ts, h, rows, self.current.get(view.index), self.hysteresis,
                               scale=self.scale(view.index))
             self.current[view.index] = idx

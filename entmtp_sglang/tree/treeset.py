@@ -3,7 +3,7 @@
     {
       "format": "entmtp-tree-set", "version": 1,
       "model": "entmtp-tiny", "drafter": "medusa", "task": "code", "hardware": "...",
-      "signal": "draft_entropy",                 # which entropy estimate the bins refer to
+      "signal": "draft_entropy",                 # which signal the bins refer to (policy/signals.py)
       "bin_edges": [0.8, 1.6, 2.5],              # inner edges: len(bins) = len(bin_edges) + 1
       "trees": [{"name": "...", "parents": [-1, 0, ...],
                  "expected_accepted": [..one per bin..],
@@ -26,7 +26,7 @@ from .topology import Tree, TreeError
 
 FORMAT = "entmtp-tree-set"
 VERSION = 1
-SIGNALS = ("draft_entropy", "target_window", "target_ema")
+SIGNALS = ("draft_entropy", "draft_margin", "target_window", "target_ema")  # defined in policy/signals.py
 DRAFTERS = ("medusa", "hydra", "eagle")
 
 
@@ -91,8 +91,9 @@ class TreeSet:
     def max_depth(self) -> int:
         return max(t.tree.max_depth for t in self.trees)
 
-    def bin_of(self, entropy_nats: float) -> int:
-        return bisect.bisect_right(self.bin_edges, entropy_nats)
+    def bin_of(self, value: float) -> int:
+        """The bin of a value of this set's signal (entropy in nats, or a margin)."""
+        return bisect.bisect_right(self.bin_edges, value)
 
     # --- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> dict:
