@@ -1,5 +1,6 @@
-"""Entropy trace: for one code and one prose prompt, the entropy signal, the tree EntMTP chose and the
-accepted length at every step.
+"""Entropy trace: for one code and one prose prompt, the entropy window (mean target entropy over the
+last 8 positions), the drafter's entropy, the signal the tree set bins on (when it is not an entropy, on
+a second axis with its bin edges), the tree EntMTP chose and the accepted length at every step.
 
     .venv/bin/python bench/entropy_trace.py --drafter hydra     # writes bench/results/entropy_trace.png
 """
@@ -18,7 +19,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from entmtp_sglang.engine.engine import Engine  # noqa: E402
 from entmtp_sglang.model.load import load_bundle  # noqa: E402
 from entmtp_sglang.policy.policies import EntMTPPolicy  # noqa: E402
-from entmtp_sglang.policy.signals import signal_value  # noqa: E402
+from entmtp_sglang.policy.signals import recent_target_entropies, signal_value, window_mean  # noqa: E402
 from entmtp_sglang.tasks import load_prompts  # noqa: E402
 from entmtp_sglang.tree.treeset import load_tree_set  # noqa: E402
 
@@ -34,7 +35,9 @@ class TracingPolicy(EntMTPPolicy):
         tree = super().__call__(view)
         h = signal_value(self.tree_set.signal, view.draft_value(self.tree_set.signal), view.history,
                          self.window)
-        self.trace.append({"signal": h, "tree": tree.name, "nodes": tree.num_nodes, "depth": tree.max_depth})
+        window = window_mean(recent_target_entropies(view.history, self.window), view.draft_entropy)
+        self.trace.append({"signal": h, "draft_entropy": view.draft_entropy, "target_window": window,
+                           "tree": tree.name, "nodes": tree.num_nodes, "depth": tree.max_depth})
         return tree
 
 
@@ -54,11 +57,22 @@ def main(argv=None) -> None:
         pol = TracingPolicy(ts)
         r = engine.generate([b.tokenizer.encode(item["prompt"]).ids[-300:]], args.max_new_tokens, pol)[0]
         steps = range(len(r.steps))
-        ax.plot(steps, [t["signal"] for t in pol.trace], label=f"{ts.signal} (nats)", color="tab:blue")
+        ax.plot(steps, [t["target_window"] for t in pol.trace], label="entropy window (target, 8 tokens, nats)",
+                color="tab:blue")
+        ax.plot(steps, [t["draft_entropy"] for t in pol.trace], label="draft entropy (nats)", color="tab:purple",
+                lw=0.8, alpha=0.7)
         ax.step(steps, [t["depth"] for t in pol.trace], where="mid", label="chosen tree depth", color="tab:orange")
         ax.bar(steps, [s.accepted for s in r.steps], alpha=0.3, label="accepted drafts", color="tab:green")
+        signal_ax = ax
+        if ts.signal == "draft_margin":  # not in nats: its own axis
+            signal_ax = ax.twinx()
+            signal_ax.plot(steps, [t["signal"] for t in pol.trace], label="draft margin (set's signal)",
+                           color="tab:red", lw=0.9)
+            signal_ax.set_ylabel("draft top-1 minus top-2 probability")
+            signal_ax.set_ylim(0, 1)
+            signal_ax.legend(fontsize=7, loc="upper left")
         for e in ts.bin_edges:
-            ax.axhline(e, color="grey", lw=0.5, ls=":")
+            signal_ax.axhline(e, color="grey", lw=0.5, ls=":")
         ax.set_title(f"{task}: {item['id']} ({args.drafter}, {len(r.output_ids)} tokens in {len(r.steps)} steps)")
         ax.set_xlabel("decode step")
         ax.legend(fontsize=7, loc="upper right")

@@ -5,10 +5,12 @@
 Policies: the drafter's default static tree (built the Medusa/Hydra way from per-head top-k accuracies
 on the calibration mix), static-best (the best single tree, chosen in hindsight per task: the four best
 trees by replaying the recorded test positions, plus the default, each measured once; the fastest is
-kept and then measured again with the others), SGLang's
-adaptive EMA rule, EntMTP, and the oracle (the best tree of the set at every step, in hindsight).
-Tokens/s are measured side by side: all policies interleaved in each repeat; the median over repeats
-is reported. The mixed stream runs prose, JSON and code segments through one policy state.
+kept and then measured again with the others), SGLang's adaptive EMA rule, EAGLE-2 style (a wide
+48-node draft pruned to the default tree's node count by draft confidence), EntMTP, and the oracle (the
+best tree of the set at every step, in hindsight).
+Tokens/s are measured side by side: in each repeat every stream runs under every policy in turn, so slow
+drifts of the shared machine hit all policies alike; the median over repeats is reported. The mixed
+stream runs prose, JSON and code segments through one policy state.
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ from pathlib import Path
 
 import torch
 
-from entmtp_sglang.calibrate import (CalibrationConfig, PositionRecord, fit_step_cost, load_records,
-                                     measure_step_costs, record_positions, simulate)
+from entmtp_sglang.bench.reference import EAGLE2_WIDE_NODES
+from entmtp_sglang.calibrate import (CalibrationConfig, PositionRecord, build_tree_set, cost_models_of,
+                                     fit_step_cost, load_records, measure_step_costs, record_positions, simulate)
 from entmtp_sglang.engine.engine import Engine
 from entmtp_sglang.model.load import load_bundle
-from entmtp_sglang.policy.policies import HYSTERESIS, AdaptiveEMAPolicy, EntMTPPolicy, OraclePolicy, StaticPolicy
+from entmtp_sglang.policy.policies import (HYSTERESIS, AdaptiveEMAPolicy, Eagle2Policy, EntMTPPolicy, OraclePolicy,
+                                           StaticPolicy)
 from entmtp_sglang.tasks import load_prompts
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.construct import accepted_on, independent_tree
@@ -67,22 +71,42 @@ def task_items(task: str, n: int) -> list[list[dict]]:
     return [[it] for it in load_prompts(task, "test", n)]
 
 
+def run_stream(engine: Engine, k: int, segs: list[list[int]], make_policy, max_new: int, into: dict) -> dict:
+    """Run stream k (its segments through one policy state) and add its counts to `into`."""
+    policy = make_policy(k)
+    for seg in segs:
+        t0 = time.perf_counter()
+        r = engine.generate([seg], max_new, policy)[0]
+        into["seconds"] = into.get("seconds", 0.0) + time.perf_counter() - t0
+        into["tokens"] = into.get("tokens", 0) + len(r.output_ids)
+        into["steps"] = into.get("steps", 0) + len(r.steps)
+        into["accepted"] = into.get("accepted", 0) + sum(s.accepted for s in r.steps)
+        chosen = into.setdefault("trees_chosen", {})
+        for s in r.steps:
+            chosen[s.tree] = chosen.get(s.tree, 0) + 1
+    return into
+
+
+def summary(run: dict) -> dict:
+    return {**run, "tokens_per_s": run["tokens"] / run["seconds"],
+            "mean_accepted": run["accepted"] / max(1, run["steps"])}
+
+
 def run_policy(engine: Engine, streams: list[list[list[int]]], make_policy, max_new: int):
-    tokens, steps, accepted, seconds = 0, 0, 0, 0.0
-    chosen: dict[str, int] = {}
+    into: dict = {}
     for k, segs in enumerate(streams):
-        policy = make_policy(k)
-        for seg in segs:
-            t0 = time.perf_counter()
-            r = engine.generate([seg], max_new, policy)[0]
-            seconds += time.perf_counter() - t0
-            tokens += len(r.output_ids)
-            steps += len(r.steps)
-            accepted += sum(s.accepted for s in r.steps)
-            for s in r.steps:
-                chosen[s.tree] = chosen.get(s.tree, 0) + 1
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-            "mean_accepted": accepted / max(1, steps), "trees_chosen": chosen}
+        run_stream(engine, k, segs, make_policy, max_new, into)
+    return summary(into)
+
+
+def run_interleaved(engine: Engine, streams, policies: dict, max_new: int) -> dict[str, dict]:
+    """One repeat: every stream under every policy in turn (policy order rotates with the stream)."""
+    runs: dict[str, dict] = {name: {} for name in policies}
+    names = list(policies)
+    for k, segs in enumerate(streams):
+        for name in names[k % len(names):] + names[:k % len(names)]:
+            run_stream(engine, k, segs, policies[name], max_new, runs[name])
+    return {name: summary(r) for name, r in runs.items()}
 
 
 def main(argv=None) -> int:
@@ -97,6 +121,9 @@ def main(argv=None) -> int:
     ap.add_argument("--ablation", action="store_true",
                     help="also run 'entmtp-h5-nofb', EntMTP as before acceptance feedback: 5%% hysteresis, no "
                          "feedback, no chain:0 added to the set (rows only, not in the table)")
+    ap.add_argument("--signal-ablation", action="store_true",
+                    help="also run 'entmtp-entropy': EntMTP on a set rebuilt from the same calibration records "
+                         "and costs but binned on draft entropy, when the shipped set uses another signal")
     ap.add_argument("--combine", type=Path, nargs="+", metavar="JSONL",
                     help="run nothing: write --out (.jsonl and .md) from the rows of earlier runs (e.g. one "
                          "run per drafter)")
@@ -135,6 +162,7 @@ def main(argv=None) -> int:
         print(f"[{drafter}] step seconds ~ {cost.to_json()} (in situ, {len(timed)} trees)", flush=True)
         values = [sum(accepted_on(t, r.ranks) + 1 for r in mix) / len(mix) / cost(t) for t in cands]
         default = cands[max(range(len(cands)), key=lambda i: values[i])]
+        wide = independent_tree(acc, EAGLE2_WIDE_NODES, name=f"wide:n{EAGLE2_WIDE_NODES}")  # EAGLE-2's draft
         print(f"[{drafter}] default static tree {default.name}: {default.parents}", flush=True)
         for task in args.tasks:
             ts = with_costs(sets[task], cost)  # EntMTP and the oracle see the costs measured here
@@ -180,16 +208,25 @@ def main(argv=None) -> int:
                 "default-static": lambda k: StaticPolicy(default),
                 "static-best": lambda k: StaticPolicy(static_best),
                 "adaptive-ema": lambda k: AdaptiveEMAPolicy(depth, 1),
+                "eagle2": lambda k: Eagle2Policy(wide, default.num_nodes),
                 "entmtp": lambda k: EntMTPPolicy(ts),
                 "oracle": oracle,
             }
+            if args.signal_ablation and sets[task].signal != "draft_entropy":
+                path = ROOT / "trees" / f"entmtp-tiny-{drafter}-{task}.records.jsonl"
+                shipped = sets[task]
+                calib_cfg = CalibrationConfig(drafter, task, max_depth=depth, num_bins=shipped.num_bins)
+                by_entropy, _ = build_tree_set(bundle, load_records(path), [], calib_cfg, log=lambda *a: None,
+                                               signal="draft_entropy", models=cost_models_of(shipped))
+                ent_set = with_costs(by_entropy, cost)
+                policies["entmtp-entropy"] = lambda k: EntMTPPolicy(ent_set)
             if args.ablation:
                 old = with_costs(sets[task], cost, add_plain=False)
                 policies["entmtp-h5-nofb"] = lambda k: EntMTPPolicy(old, hysteresis=0.05, feedback=False)
             runs: dict[str, list[dict]] = {name: [] for name in policies}
             for rep in range(args.repeats):
-                for name, make in policies.items():
-                    runs[name].append(run_policy(engine, streams, make, args.max_new_tokens))
+                for name, r in run_interleaved(engine, streams, policies, args.max_new_tokens).items():
+                    runs[name].append(r)
             for name, rs in runs.items():
                 row = {
                     "drafter": drafter, "task": task, "policy": name, "batch": 1,
@@ -197,6 +234,7 @@ def main(argv=None) -> int:
                     "mean_accepted": statistics.median(r["mean_accepted"] for r in rs),
                     "repeats": [round(r["tokens_per_s"], 2) for r in rs],
                     "trees_chosen": rs[-1]["trees_chosen"], "static_best_tree": static_best.name,
+                    "signal": ts.signal,
                     "prompts": args.prompts, "max_new_tokens": args.max_new_tokens, "commit": commit,
                     "step_cost_model": cost.to_json(), "entmtp_hysteresis": HYSTERESIS,
                     "machine": f"{torch.get_num_threads()} threads",
@@ -218,22 +256,34 @@ def write(rows: list[dict], out: Path) -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| drafter | task | default static | static-best | adaptive-EMA | EntMTP | oracle | "
-             "EntMTP / default | EntMTP / static-best | EntMTP / adaptive | headroom captured |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| drafter | task | default static | static-best | adaptive-EMA | EAGLE-2 | EntMTP | oracle | "
+             "EntMTP / default | EntMTP / static-best | EntMTP / adaptive | EntMTP / EAGLE-2 | headroom captured |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["drafter"], r["task"]) for r in rows}, key=lambda k: (k[0], TASKS.index(k[1])))
     for d, t in keys:
         by = {r["policy"]: r for r in rows if r["drafter"] == d and r["task"] == t}
         v = {k: by[k]["tokens_per_s"] for k in by}
-        cell = lambda k: f"{v[k]:.1f} ({by[k]['mean_accepted']:.2f})"  # noqa: E731
+        cell = lambda k: f"{v[k]:.1f} ({by[k]['mean_accepted']:.2f})" if k in v else "-"  # noqa: E731
+        vs = lambda k: f"{v['entmtp'] / v[k]:.2f}x" if k in v else "-"  # noqa: E731
         head = v["oracle"] - v["static-best"]
         captured = (v["entmtp"] - v["static-best"]) / head if head > 0 else float("nan")
         lines.append(f"| {d} | {t} | {cell('default-static')} | {cell('static-best')} | {cell('adaptive-ema')} | "
-                     f"{cell('entmtp')} | {cell('oracle')} | {v['entmtp'] / v['default-static']:.2f}x | "
-                     f"{v['entmtp'] / v['static-best']:.2f}x | {v['entmtp'] / v['adaptive-ema']:.2f}x | "
-                     f"{captured:.0%} |")
+                     f"{cell('eagle2')} | {cell('entmtp')} | {cell('oracle')} | {vs('default-static')} | "
+                     f"{vs('static-best')} | {vs('adaptive-ema')} | {vs('eagle2')} | {captured:.0%} |")
     lines.append("")
     lines.append("Cells: tokens/s (mean accepted drafts per step); median over repeats, batch 1, greedy.")
+    signals = sorted({(r["drafter"], r["task"], r.get("signal", "draft_entropy")) for r in rows
+                      if r["policy"] == "entmtp"}, key=lambda k: (k[0], TASKS.index(k[1])))
+    if signals:
+        lines.append("EntMTP's signal per cell: " + ", ".join(f"{d} {t} {s}" for d, t, s in signals) + ".")
+    ablation = [(d, t, by["entmtp"]["tokens_per_s"] / by["entmtp-entropy"]["tokens_per_s"])
+                for (d, t) in keys
+                for by in [{r["policy"]: r for r in rows if r["drafter"] == d and r["task"] == t}]
+                if "entmtp-entropy" in by]
+    if ablation:
+        lines.append("")
+        lines.append("Signal ablation (same records, costs and policy, bins on draft entropy instead): EntMTP / "
+                     "EntMTP-entropy " + ", ".join(f"{d} {t} {x:.2f}x" for d, t, x in ablation) + ".")
     lines.append("")
     lines.append(goals_line(rows))
     return "\n".join(lines) + "\n"

@@ -272,6 +272,14 @@ def cost_grid(max_depth: int, max_nodes: int = 32) -> list[Tree]:
     return list(out.values())
 
 
+def cost_models_of(tree_set: TreeSet) -> dict[int, StepCostModel]:
+    """The step-cost models a calibrated set recorded in its provenance, per batch size."""
+    raw = tree_set.provenance.get("step_cost_model")
+    if not raw:
+        raise ValueError(f"tree set {tree_set.drafter}/{tree_set.task} records no step-cost model")
+    return {int(b): StepCostModel(m["base"], m["per_node"], m["per_depth"]) for b, m in raw.items()}
+
+
 _STEP_COST_CACHE: dict[tuple, StepCostModel] = {}
 
 

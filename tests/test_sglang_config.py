@@ -58,6 +58,21 @@ def test_a_tree_set_for_another_model_names_the_model(tmp_path, monkeypatch):
         cfg.load_tree_set()
 
 
+def test_the_set_must_bin_on_a_draft_signal(tmp_path, monkeypatch):
+    """The worker computes draft signals only; a target-entropy set fails at start-up, naming the signal."""
+    monkeypatch.delenv(ENV_TREE_SET, raising=False)
+    data = json.loads(shipped_tree_set("eagle", "mixed").read_text())
+    for signal, ok in (("draft_margin", True), ("target_window", False)):
+        path = tmp_path / f"{signal}.json"
+        path.write_text(json.dumps({**data, "signal": signal}))
+        cfg = EntMtpConfig(tree_set_path=path, model_name="entmtp-tiny")
+        if ok:
+            assert cfg.load_tree_set().signal == signal
+        else:
+            with pytest.raises(TreeSetError, match="signal 'target_window'.*draft_entropy"):
+                cfg.load_tree_set()
+
+
 def test_pinned_index_needs_every_request_to_agree():
     names = {"chain:0": 0, "b0n4d3": 3}
     assert pinned_index([{PIN_KEY: "b0n4d3"}] * 3, names) == (3, None)

@@ -48,7 +48,7 @@ def json_grammar(backend):
     return be.dispatch_json(json.dumps(schema)), tok, vocab
 
 
-def test_masked_entropy_is_the_entropy_over_the_allowed_tokens(backend):
+def test_masked_signals_are_taken_over_the_allowed_tokens(backend):
     g, tok, vocab = json_grammar(backend)
     gen = torch.Generator().manual_seed(0)
     for _ in range(5):
@@ -56,9 +56,12 @@ def test_masked_entropy_is_the_entropy_over_the_allowed_tokens(backend):
         ok = sorted(allowed_set(g, vocab))
         p = torch.softmax(logits[ok].double(), -1)
         expect = float(-(p * p.log()).sum())
-        got = grammar_draft.grammar_entropy(logits, g, vocab)
+        got = grammar_draft.grammar_signal(logits, g, vocab)
         assert got == pytest.approx(expect, rel=1e-4, abs=1e-5)
         assert got <= math.log(len(ok)) + 1e-6
+        top = p.topk(min(2, len(ok))).values.tolist() + [0.0]
+        margin = grammar_draft.grammar_signal(logits, g, vocab, "draft_margin")
+        assert margin == pytest.approx(top[0] - top[1], rel=1e-4, abs=1e-5)
 
 
 def test_grammar_topk_proposes_only_allowed_tokens_and_leaves_the_grammar_as_found(backend):

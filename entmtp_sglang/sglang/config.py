@@ -31,6 +31,7 @@ def pinned_index(custom_params: list, index_by_name: dict[str, int]) -> tuple[in
     name = names.pop()
     return (index_by_name[name], None) if name in index_by_name else (None, name)
 DEFAULT_DRAFTER = "eagle"
+SGLANG_SIGNALS = ("draft_entropy", "draft_margin")  # signals the worker computes from the draft logits
 DEFAULT_TASK = "mixed"
 
 
@@ -78,7 +79,11 @@ class EntMtpConfig:
     def load_tree_set(self) -> TreeSet:
         """Load and validate; the error names the file and the problem (wrong model, bad node, ...)."""
         try:
-            return load_tree_set(self.tree_set_path, model=self.model_name, drafter=DEFAULT_DRAFTER)
+            ts = load_tree_set(self.tree_set_path, model=self.model_name, drafter=DEFAULT_DRAFTER)
+            if ts.signal not in SGLANG_SIGNALS:
+                raise TreeSetError(f"{self.tree_set_path}: signal {ts.signal!r}: inside SGLang ENTMTP bins on "
+                                   f"the draft's own logits, one of {SGLANG_SIGNALS}")
+            return ts
         except TreeSetError as e:
             raise TreeSetError(f"ENTMTP cannot start: {e}. Pass a tree set calibrated for this model with "
                                f"{ENV_TREE_SET}=FILE or --speculative-adaptive-config FILE "

@@ -6,7 +6,8 @@ SGLang's `BaseGrammarObject`: `accept_token`, `rollback`, `fill_vocab_mask`, `ap
 (the last token SGLang verified), which is exactly the state its own verify walk (`traverse_tree`) starts
 from. We use the same object, and leave it in the state we found it:
 
-* the entropy signal of a constrained request is taken over the tokens the grammar allows next, so
+* the draft signal (entropy, or top-1 margin) of a constrained request is taken over the tokens the
+  grammar allows next, so
   structured output looks as predictable as it is and gets deeper trees;
 * every drafted node's children are the top-k of the drafter's logits masked by the grammar state after
   the node's path, so no draft token the grammar forbids is proposed (a forbidden one could never be
@@ -22,6 +23,8 @@ import logging
 from typing import Sequence
 
 import torch
+
+from ..policy.signals import draft_signal
 
 logger = logging.getLogger("entmtp_sglang.sglang")
 
@@ -87,14 +90,14 @@ def grammar_topk(logits: torch.Tensor, grammar, path: Sequence[int], k: int, voc
     return torch.topk(masked_logits(logits, grammar, bitmask), k).indices
 
 
-def grammar_entropy(logits: torch.Tensor, grammar, vocab_size: int) -> float | None:
-    """Entropy (nats) of softmax(logits) restricted to the tokens the grammar allows next (renormalised)."""
+def grammar_signal(logits: torch.Tensor, grammar, vocab_size: int, kind: str = "draft_entropy") -> float | None:
+    """A draft signal (`policy.signals.draft_signal`: entropy in nats, or top-1 margin) of softmax(logits)
+    restricted to the tokens the grammar allows next (renormalised); None when the grammar gives no
+    guidance or allows nothing."""
     bitmask = path_bitmask(grammar, (), vocab_size)
     if bitmask is None:
         return None
     row = masked_logits(logits, grammar, bitmask)
     if not torch.isfinite(row).any():
         return None
-    logp = torch.log_softmax(row, -1)
-    p = logp.exp()
-    return float(-(p * logp.masked_fill(p == 0, 0.0)).sum())
+    return float(draft_signal(kind, row.float().unsqueeze(0))[0])

@@ -2,11 +2,12 @@
 
 Per step (per batch: SGLang verifies one `draft_token_num` per batch, so every request of a batch gets the
 same tree):
-1. signal: each request's draft entropy of its next root distribution, computed from the logits the
-   draft-extend pass already produced (no extra forward). For a request under a grammar (`json_schema`,
-   `regex`, `ebnf`) the entropy is taken over the tokens the grammar allows next (grammar_draft.py);
-2. `select_batch_tree(tree_set, entropies, batch_size, scales)` (the same pure selector as the reference
-   engine's batch policy, with hysteresis) picks one tree for the batch from every request's entropy bin
+1. signal: each request's draft signal (the tree set's: entropy, or top-1 margin; policy/signals.py) of
+   its next root distribution, computed from the logits the draft-extend pass already produced (no extra
+   forward). For a request under a grammar (`json_schema`, `regex`, `ebnf`) it is taken over the tokens
+   the grammar allows next (grammar_draft.py);
+2. `select_batch_tree(tree_set, signals, batch_size, scales)` (the same pure selector as the reference
+   engine's batch policy, with hysteresis) picks one tree for the batch from every request's signal bin
    and its acceptance feedback (accepted drafts so far over the set's expectation); chain:0 in the set
    means this step decodes without speculation. The tree's node count becomes this step's
    `speculative_num_draft_tokens`;
@@ -27,8 +28,8 @@ import time
 
 import torch
 
-from ..kernels import softmax_entropy
 from ..policy.selector import acceptance_scale, select_batch_tree
+from ..policy.signals import draft_signal, least_predictable
 from .attention import MultiStepDraftBackend
 from .config import EntMtpConfig, pinned_index
 from .sglang_api import (EAGLEWorkerV2, ForwardContext, forward_context, get_context,
@@ -47,7 +48,8 @@ class EntMtpWorker(EAGLEWorkerV2):
         # Each tree is laid out with its own depth as SGLang's num_steps: the accept buffers are
         # num_steps + 1 wide and must not exceed the tree's node count.
         self.plans = [plan_tree(t.tree, self.topk, t.tree.max_depth) for t in self.tree_set.trees]
-        self.entropy: dict[str, float] = {}        # rid -> latest draft entropy (nats)
+        self.signal = self.tree_set.signal         # draft_entropy or draft_margin (config checks)
+        self.signals: dict[str, float] = {}        # rid -> latest draft signal value
         self.current: int | None = None
         self.histogram = collections.Counter()
         self.steps = 0
@@ -84,7 +86,7 @@ class EntMtpWorker(EAGLEWorkerV2):
             self._choose(batch)
         self._last_extend = None
         out = super().forward_batch_generation(batch, *args, **kwargs)
-        self._record_entropy(batch)
+        self._record_signals(batch)
         return out
 
     def _choose(self, batch) -> None:
@@ -92,9 +94,10 @@ class EntMtpWorker(EAGLEWorkerV2):
         plan, h, expected = None, float("nan"), None
         try:
             self._grammar_signals(batch, reqs)
-            hs = [self.entropy.get(r.rid, float("inf")) for r in reqs]
-            known = [x for x in hs if x != float("inf")]
-            h = sum(known) / len(known) if known else float("inf")
+            unknown = least_predictable(self.signal)
+            hs = [self.signals.get(r.rid, unknown) for r in reqs]
+            known = [x for x in hs if x != unknown]
+            h = sum(known) / len(known) if known else unknown
             room = min(self._room(r) for r in reqs)
             cap = room if self.config.max_nodes is None else min(room, self.config.max_nodes)
             pinned = self._pinned(reqs)
@@ -137,8 +140,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             backend.set_draft_rows(*_row_tensors(plan))
         if time.monotonic() - self.last_log > self.config.log_interval_s:
             self.last_log = time.monotonic()
-            logger.info("ENTMTP trees chosen over %d steps: %s (last batch draft entropy %.2f nats)", self.steps,
-                        ", ".join(f"{k}={v}" for k, v in self.histogram.most_common()), h)
+            logger.info("ENTMTP trees chosen over %d steps: %s (last batch mean %s %.2f)", self.steps,
+                        ", ".join(f"{k}={v}" for k, v in self.histogram.most_common()), self.signal, h)
 
     def _pinned(self, reqs) -> int | None:
         params = [getattr(getattr(r, "sampling_params", None), "custom_params", None) for r in reqs]
@@ -150,7 +153,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         return index
 
     def _grammar_signals(self, batch, reqs) -> None:
-        """Constrained requests: grammar-masked entropy of the stored root logits, now that the grammar has
+        """Constrained requests: grammar-masked signal of the stored root logits, now that the grammar has
         taken the last verified tokens; and the rows whose drafting consults the grammar this step."""
         self._grammars = {}
         if not self.grammar_drafting or getattr(batch, "enable_overlap", True):
@@ -161,12 +164,14 @@ class EntMtpWorker(EAGLEWorkerV2):
             if g is None or logits is None:
                 continue
             try:
-                h = grammar_draft.grammar_entropy(logits, g, getattr(g, "vocab_size", logits.shape[-1]))
+                h = grammar_draft.grammar_signal(logits, g, getattr(g, "vocab_size", logits.shape[-1]),
+                                                 self.signal)
             except Exception:
-                logger.exception("ENTMTP: grammar entropy failed for %s; using the unmasked one", r.rid)
+                logger.exception("ENTMTP: grammar-masked %s failed for %s; using the unmasked one",
+                                 self.signal, r.rid)
                 continue
             if h is not None:
-                self.entropy[r.rid] = h
+                self.signals[r.rid] = h
             self._grammars[i] = g
 
     def _room(self, req) -> int:
@@ -185,7 +190,7 @@ class EntMtpWorker(EAGLEWorkerV2):
                     acc, exp = self.feedback.get(r.rid, (0.0, 0.0))
                     self.feedback[r.rid] = (acc + int(n), exp + expected[i])
 
-    def _record_entropy(self, batch) -> None:
+    def _record_signals(self, batch) -> None:
         out = self._last_extend
         self._last_extend = None
         if out is None or out.next_token_logits is None:
@@ -193,16 +198,16 @@ class EntMtpWorker(EAGLEWorkerV2):
         logits = out.next_token_logits
         if logits.shape[0] != len(batch.reqs):
             return
-        h = softmax_entropy(logits.float())
+        h = draft_signal(self.signal, logits.float())
         for i, (r, v) in enumerate(zip(batch.reqs, h.tolist())):
-            self.entropy[r.rid] = v
+            self.signals[r.rid] = v
             if self.grammar_drafting and grammar_draft.live_grammar(r) is not None:
                 self._root_logits[r.rid] = logits[i].detach().float().clone()
             else:
                 self._root_logits.pop(r.rid, None)
-        if len(self.entropy) > 4 * max(64, len(batch.reqs)):
+        if len(self.signals) > 4 * max(64, len(batch.reqs)):
             live = {r.rid for r in batch.reqs}
-            self.entropy = {k: v for k, v in self.entropy.items() if k in live}
+            self.signals = {k: v for k, v in self.signals.items() if k in live}
             self._root_logits = {k: v for k, v in self._root_logits.items() if k in live}
             self.feedback = {k: v for k, v in self.feedback.items() if k in live}
 

@@ -1,0 +1,161 @@
+"""Which signal should pick the tree? A replay study on the shipped calibration records (no decoding).
+
+    .venv/bin/python bench/signals.py        # seconds; writes bench/results/signals.{json,md}
+
+For every shipped (drafter, task) record file (greedy decoding of the calibration prompts: each
+position's drafter entropy and margin, target entropy, and the rank vector of the true continuation):
+
+* the Pearson correlation of each signal with the accepted chain length;
+* a two-fold cross-validated replay, split by prompt: on one half, split the signal into quantile bins
+  and keep, per bin, the tree with the most expected tokens per second (the calibration's own greedy
+  trees and the chains, costed with the set's batch-1 step-cost model); replay greedy decoding of the
+  other half with that policy. Reported relative to the best single tree in hindsight on the replayed
+  half (static-best), beside "one bin" (a static tree chosen on the other half) and the oracle (the best
+  tree of the pool at every step).
+
+This is the ceiling of any policy that maps one scalar signal to a tree: the replay has no timing noise
+and no hysteresis, and the policy sees each signal exactly as calibration recorded it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import statistics
+import sys
+from pathlib import Path
+
+from entmtp_sglang.calibrate import PositionRecord, cost_models_of, load_records, pearson, signals_of
+from entmtp_sglang.tree import Tree
+from entmtp_sglang.tree.construct import accepted_on, greedy_tree
+from entmtp_sglang.tree.treeset import load_tree_set
+
+ROOT = Path(__file__).resolve().parent.parent
+TASKS = ("code", "math", "chat", "prose", "json", "json-grammar", "mixed")
+BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
+BINS = (2, 4, 8)
+
+
+def replay(records: list[PositionRecord], choose, cost) -> float:
+    """Tokens per second of greedy decoding of the recorded prompts, `choose(index) -> Tree` per step."""
+    by_prompt: dict[int, list[int]] = {}
+    for i, r in enumerate(records):
+        by_prompt.setdefault(r.prompt, []).append(i)
+    tokens, seconds = 0, 0.0
+    for idx in by_prompt.values():
+        idx.sort(key=lambda i: records[i].pos)
+        pos = 0
+        while pos < len(idx):
+            tree = choose(idx[pos])
+            a = min(accepted_on(tree, records[idx[pos]].ranks), len(idx) - pos - 1)
+            tokens += a + 1
+            seconds += cost(tree)
+            pos += a + 1
+    return tokens / seconds
+
+
+def best_tree(ranks: list, pool: dict, depth: int, max_rank: int, cost) -> Tree:
+    cands = dict(pool)
+    for n in BUDGETS:
+        t = greedy_tree(ranks, n, depth, max_rank)
+        cands.setdefault(t.parents, t)
+    return max(cands.values(), key=lambda t: (sum(accepted_on(t, r) for r in ranks) / max(1, len(ranks)) + 1)
+               / cost(t))
+
+
+def fold_policy(values: list[float], train: list[int], records, bins: int, pool, depth, max_rank, cost):
+    """Quantile bins of the signal on `train`; per bin the best tree; returns index -> Tree."""
+    s = sorted(values[i] for i in train)
+    edges = sorted({s[min(len(s) - 1, len(s) * q // bins)] for q in range(1, bins)})
+    groups: list[list] = [[] for _ in range(len(edges) + 1)]
+    for i in train:
+        groups[bisect.bisect_right(edges, values[i])].append(records[i].ranks)
+    trees = [best_tree(g, pool, depth, max_rank, cost) for g in groups]
+    return lambda i: trees[bisect.bisect_right(edges, values[i])]
+
+
+def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 6) -> dict:
+    depth = max(len(r.ranks) for r in records)
+    sig = signals_of(records, window)
+    acc = [float(r.chain_accepted) for r in records]
+    out = {"positions": len(records), "correlation": {k: round(pearson(v, acc), 3) for k, v in sig.items()}}
+    prompts = sorted({r.prompt for r in records})
+    fold_of = {p: k % 2 for k, p in enumerate(prompts)}
+    ratios: dict[str, list[float]] = {}
+    for fold in (0, 1):
+        test = [i for i, r in enumerate(records) if fold_of[r.prompt] == fold]
+        train = [i for i, r in enumerate(records) if fold_of[r.prompt] != fold]
+        sub = [records[i] for i in test]
+        pool = {Tree.chain(d).parents: Tree.chain(d) for d in range(depth + 1)}
+        for n in BUDGETS:
+            t = greedy_tree([records[i].ranks for i in train], n, depth, max_rank)
+            pool.setdefault(t.parents, t)
+        static_best = max(replay(sub, lambda j, t=t: t, cost) for t in pool.values())
+        oracle = replay(sub, lambda j: max(pool.values(), key=lambda t: (accepted_on(t, sub[j].ranks) + 1) / cost(t)),
+                        cost)
+        ratios.setdefault("oracle", []).append(oracle / static_best)
+        one = fold_policy([0.0] * len(records), train, records, 1, pool, depth, max_rank, cost)
+        ratios.setdefault("one bin", []).append(replay(sub, lambda j: one(test[j]), cost) / static_best)
+        for name, values in sig.items():
+            for bins in BINS:
+                pol = fold_policy(values, train, records, bins, pool, depth, max_rank, cost)
+                ratios.setdefault(f"{name}/{bins}", []).append(replay(sub, lambda j: pol(test[j]), cost)
+                                                               / static_best)
+    out["vs_static_best"] = {k: round(statistics.fmean(v), 3) for k, v in ratios.items()}
+    return out
+
+
+def markdown(results: dict) -> str:
+    signals = ("draft_entropy", "draft_margin", "target_window", "target_ema")
+    lines = ["| drafter | task | positions | corr: " + " | ".join(signals) + " | oracle | one bin | "
+             + " | ".join(f"{s}/4" for s in signals) + " | best |",
+             "|---|---|---|" + "---|" * (2 * len(signals) + 3)]
+    for key, r in results.items():
+        d, t = key.split("/", 1)
+        v = r["vs_static_best"]
+        per = {k: x for k, x in v.items() if k not in ("oracle", "one bin")}
+        best = max(per, key=per.get)
+        lines.append(f"| {d} | {t} | {r['positions']} | "
+                     + " | ".join(f"{r['correlation'].get(s, float('nan')):+.2f}" for s in signals)
+                     + f" | {v['oracle']:.2f}x | {v['one bin']:.2f}x | "
+                     + " | ".join(f"{v[f'{s}/4']:.2f}x" if f"{s}/4" in v else "-" for s in signals)
+                     + f" | {best} {per[best]:.2f}x |")
+    lines += ["", "corr: Pearson correlation with the accepted chain length. Other columns: cross-validated replay "
+              "tokens/s relative to static-best in hindsight (see the script's docstring); `/4` = 4 quantile "
+              "bins; best = the best signal and bin count (2, 4 or 8)."]
+    means = {}
+    for r in results.values():
+        for k, x in r["vs_static_best"].items():
+            means.setdefault(k, []).append(x)
+    order = sorted(means, key=lambda k: -statistics.fmean(means[k]))
+    lines += ["", "Mean over cells: " + ", ".join(f"{k} {statistics.fmean(means[k]):.3f}x" for k in order) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafters", nargs="+", default=["hydra", "medusa"])
+    ap.add_argument("--tasks", nargs="+", default=list(TASKS))
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "signals")
+    args = ap.parse_args(argv)
+    results = {}
+    for drafter in args.drafters:
+        for task in args.tasks:
+            path = ROOT / "trees" / f"entmtp-tiny-{drafter}-{task}.json"
+            if not path.exists():
+                continue
+            ts = load_tree_set(path, drafter=drafter)
+            model = cost_models_of(ts)[1]
+            results[f"{drafter}/{task}"] = study(load_records(path.with_suffix(".records.jsonl")), model)
+            print(f"{drafter}/{task}: {results[f'{drafter}/{task}']}", flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+    table = markdown(results)
+    args.out.with_suffix(".md").write_text(table)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
