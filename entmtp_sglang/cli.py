@@ -101,7 +101,7 @@ def _generate(args) -> int:
 def _add_calibrate(sub) -> None:
     p = sub.add_parser(
         "calibrate", help="build a task's tree set from calibration prompts",
-        description="Decode a task's calibration prompts, record drafter acceptance by entropy bin, "
+        description="Decode a task's calibration prompts, record drafter acceptance by signal bin (draft entropy or margin, or a target-entropy window: the best predictor), "
                     "measure verification cost on this machine, and write a tree set of Pareto-optimal "
                     "trees (JSON) with a Pareto-frontier plot (PNG).")
     p.add_argument("--model", type=Path, default=None, help="model directory (default: bundled entmtp-tiny)")
@@ -111,7 +111,7 @@ def _add_calibrate(sub) -> None:
                         "(costs are measured once per tree shape)")
     p.add_argument("--prompts", type=int, default=24, help="calibration prompts to decode (default: 24)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default: 96)")
-    p.add_argument("--bins", type=int, default=4, help="entropy bins (default: 4)")
+    p.add_argument("--bins", type=int, default=4, help="signal bins (default: 4)")
     p.add_argument("--grammar", action="store_true",
                    help="json task only: decode under each prompt's JSON schema (xgrammar) and calibrate on "
                         "grammar-masked entropy and ranks; writes ...-json-grammar.json")

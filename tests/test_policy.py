@@ -118,7 +118,7 @@ def test_tree_set_round_trip_and_validation(tmp_path):
         from_json(bad)
     bad = json.loads(json.dumps(data))
     bad["trees"][1]["expected_accepted"] = [0.5]
-    with pytest.raises(TreeSetError, match=r"trees\[1\].*1 values for 2 entropy bins"):
+    with pytest.raises(TreeSetError, match=r"trees\[1\].*1 values for 2 signal bins"):
         from_json(bad)
     bad = json.loads(json.dumps(data))
     del bad["signal"]

@@ -9,7 +9,7 @@
     entmtp-<d>       EntMTP (policy.EntMTPPolicy) on the task's shipped tree set, plus "no speculation"
                      (chain:0), with tree costs measured on this machine at start-up for each batch size
                      of the run: one tree per step for the whole batch, acceptance feedback; no drafter
-                     at all at a batch size where no tree in any entropy bin is expected to beat plain
+                     at all at a batch size where no tree in any signal bin is expected to beat plain
                      decoding, or where EntMTP ran slower than plain on the task's calibration prompts
     oracle-<d>       the best tree of that same set at every step, in hindsight (the ceiling)
 
@@ -400,7 +400,7 @@ class _EntMTP(ReferenceSystem):
 
     def _speculates(self, task: str, batch_size: int, max_new_tokens: int) -> bool:
         """Admission at this batch size, once per run: predicted (`selector.speculation_pays`: some tree
-        in some entropy bin beats a plain step), then measured (EntMTP faster than plain decoding on the
+        in some signal bin beats a plain step), then measured (EntMTP faster than plain decoding on the
         task's calibration prompts, see `Resources.admits`)."""
         key = ("entmtp-admits", self.drafter, task, batch_size, max_new_tokens)
         cache = self.res.ctx.cache
@@ -450,7 +450,7 @@ _KINDS = {
     "static": (_Static, "default static tree (Medusa/Hydra construction from per-head accuracy)"),
     "eagle2": (_Eagle2, "EAGLE-2 style dynamic tree: wide draft, verify the most confident nodes"),
     "adaptive": (_Adaptive, "SGLang --speculative-adaptive rule (EMA of accepted length -> chain depth)"),
-    "entmtp": (_EntMTP, "EntMTP: one tree per step for the batch from every request's entropy bin, the "
+    "entmtp": (_EntMTP, "EntMTP: one tree per step for the batch from every request's signal bin, the "
                         "task's Pareto set plus no speculation, costs measured here, acceptance feedback; "
                         "no drafter when no tree can beat plain decoding at the batch size"),
     "oracle": (_Oracle, "best tree of the EntMTP set at every step, in hindsight (ceiling)"),

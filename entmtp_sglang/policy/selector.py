@@ -1,4 +1,7 @@
-"""The EntMTP selector: (entropy, batch size, tree set) -> the tree with the most expected tokens per second.
+"""The EntMTP selector: (signal, batch size, tree set) -> the tree with the most expected tokens per second.
+
+The signal is whatever the tree set's bins refer to (`policy/signals.py`): the drafter's entropy, its
+top-1 margin, or a window of target entropy.
 
 Pure functions; the policy objects that call them keep only per-request sums and the current choice.
 
@@ -34,7 +37,7 @@ def acceptance_scale(accepted: float, expected: float, prior: float = FEEDBACK_P
 
 
 def tree_values(tree_set: TreeSet, bin_index: int, batch_size: int) -> list[float]:
-    """Expected tokens per second of one request, for every tree of the set, in this entropy bin."""
+    """Expected tokens per second of one request, for every tree of the set, in this signal bin."""
     return [t.tokens_per_second(bin_index, batch_size) for t in tree_set.trees]
 
 
@@ -45,7 +48,7 @@ def batch_tokens(tree_set: TreeSet, bins: Sequence[int], scales: Sequence[float]
     """
     scales = [1.0] * len(bins) if scales is None else scales
     if len(scales) != len(bins):
-        raise ValueError(f"{len(bins)} entropy bins but {len(scales)} acceptance scales")
+        raise ValueError(f"{len(bins)} signal bins but {len(scales)} acceptance scales")
     return [sum(min(s * t.expected_accepted[b], t.tree.max_depth) + 1.0 for b, s in zip(bins, scales))
             for t in tree_set.trees]
 
@@ -65,19 +68,19 @@ def _allowed(tree_set: TreeSet, max_nodes: int | None) -> list[int]:
     return allowed or [min(range(len(tree_set.trees)), key=lambda i: tree_set.trees[i].tree.num_nodes)]
 
 
-def select_batch_tree(tree_set: TreeSet, entropies_nats: Sequence[float], batch_size: int,
+def select_batch_tree(tree_set: TreeSet, signals: Sequence[float], batch_size: int,
                       scales: Sequence[float] | None = None, current: int | None = None,
                       hysteresis: float = 0.0, max_nodes: int | None = None) -> int:
     """Index of the one tree for a whole batch step (chain:0, if in the set, means no speculation):
 
-        bins = [bin_of(h) for h in entropies_nats]          # one per active request
+        bins = [bin_of(h) for h in signals]          # the set's signal, one per active request
         values = batch_values(bins, batch_size, scales)      # over trees within max_nodes
         best = argmax(values)
         return current if values[current] * (1 + hysteresis) >= values[best] else best
     """
-    if not entropies_nats:
-        raise ValueError("select_batch_tree needs the entropy of at least one request")
-    values = batch_values(tree_set, [tree_set.bin_of(h) for h in entropies_nats], batch_size, scales)
+    if not signals:
+        raise ValueError("select_batch_tree needs the signal of at least one request")
+    values = batch_values(tree_set, [tree_set.bin_of(h) for h in signals], batch_size, scales)
     allowed = _allowed(tree_set, max_nodes)
     best = max(allowed, key=lambda i: values[i])
     if current is not None and current in allowed and values[current] * (1 + hysteresis) >= values[best]:
@@ -85,19 +88,19 @@ def select_batch_tree(tree_set: TreeSet, entropies_nats: Sequence[float], batch_
     return best
 
 
-def select_tree(tree_set: TreeSet, entropy_nats: float, batch_size: int, current: int | None = None,
+def select_tree(tree_set: TreeSet, signal: float, batch_size: int, current: int | None = None,
                 hysteresis: float = 0.0, max_nodes: int | None = None, scale: float = 1.0) -> int:
-    """Index of the best tree for one request's entropy (`select_batch_tree` for a batch of one):
+    """Index of the best tree for one request's signal (`select_batch_tree` for a batch of one):
 
         values = (min(scale * expected_accepted[bin], depth) + 1) / cost(batch_size) for each tree
         best = argmax(values)
         return current if values[current] * (1 + hysteresis) >= values[best] else best
     """
-    return select_batch_tree(tree_set, [entropy_nats], batch_size, [scale], current, hysteresis, max_nodes)
+    return select_batch_tree(tree_set, [signal], batch_size, [scale], current, hysteresis, max_nodes)
 
 
 def speculation_pays(tree_set: TreeSet, batch_size: int, plain_seconds: float) -> bool:
-    """Whether some tree of the set, in some entropy bin, is expected to produce more tokens per second
+    """Whether some tree of the set, in some signal bin, is expected to produce more tokens per second
     than decoding without a drafter at all (one token per `plain_seconds` step) at this batch size.
 
     When it does not, a server should not even run the drafter: every step would choose chain:0 and

@@ -72,7 +72,7 @@ class TreeSet:
         for i, t in enumerate(self.trees):
             if len(t.expected_accepted) != self.num_bins:
                 raise TreeSetError(f"trees[{i}] ({t.tree.name}): expected_accepted has "
-                                   f"{len(t.expected_accepted)} values for {self.num_bins} entropy bins")
+                                   f"{len(t.expected_accepted)} values for {self.num_bins} signal bins")
             if any(not (0 <= a <= t.tree.max_depth + 1e-9) for a in t.expected_accepted):
                 raise TreeSetError(f"trees[{i}] ({t.tree.name}): expected_accepted must lie in "
                                    f"[0, {t.tree.max_depth}] (the tree's depth)")
