@@ -425,3 +425,20 @@ def test_calibration_picks_the_signal_that_predicts_acceptance():
     assert forced.signal == "draft_entropy"
     with pytest.raises(ValueError, match="not in these records"):
         build_tree_set(FakeBundle(), recs, [], cfg, log=lambda *a: None, signal="bogus", models=models)
+
+
+def test_every_shipped_tree_set_loads_with_its_records():
+    """Shipped sets validate; each bins on a signal its calibration records carry, with the recorded
+    correlations, and holds chain:0 or deeper trees within its drafter's depth."""
+    from pathlib import Path
+
+    from entmtp_sglang.calibrate import load_records, signals_of
+
+    root = Path(__file__).resolve().parent.parent / "trees"
+    paths = sorted(root.glob("entmtp-tiny-*.json"))
+    assert len(paths) >= 15  # medusa and hydra: 7 tasks each; eagle: mixed
+    for path in paths:
+        ts = load_tree_set(path, model="entmtp-tiny")
+        records = load_records(path.with_suffix(".records.jsonl"))
+        assert ts.signal in signals_of(records, 8), path.name
+        assert ts.signal in ts.provenance.get("signal_correlations", {ts.signal: 0}), path.name
