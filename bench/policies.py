@@ -1,6 +1,7 @@
 """Quick policy benchmark on the bundled model: greedy, batch 1, the same prompts for every policy.
 
-    .venv/bin/python bench/policies.py            # a few minutes; writes bench/results/policies.{jsonl,md}
+    .venv/bin/python bench/policies.py --quick    # a few minutes; writes bench/results/policies.{jsonl,md}
+    .venv/bin/python bench/policies.py --threads 1 --repeats 4 --prompts 8 --signal-ablation   # the README's
 
 Policies: the drafter's default static tree (built the Medusa/Hydra way from per-head top-k accuracies
 on the calibration mix), static-best (the best single tree, chosen in hindsight per task: the four best
@@ -127,7 +128,11 @@ def main(argv=None) -> int:
     ap.add_argument("--combine", type=Path, nargs="+", metavar="JSONL",
                     help="run nothing: write --out (.jsonl and .md) from the rows of earlier runs (e.g. one "
                          "run per drafter)")
+    ap.add_argument("--quick", action="store_true",
+                    help="a few minutes: 2 prompts per task, 48 new tokens, 2 repeats (noisier; for a smoke check)")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_new_tokens, args.repeats = 2, 48, 2
     if args.combine:
         rows = [json.loads(line) for path in args.combine for line in path.read_text().splitlines() if line]
         write(rows, args.out)
