@@ -1,6 +1,6 @@
 """Which signal should pick the tree? A replay study on the shipped calibration records (no decoding).
 
-    .venv/bin/python bench/signals.py        # seconds; writes bench/results/signals.{json,md}
+    .venv/bin/python bench/signals.py        # under a minute; writes bench/results/signals.{json,md}
 
 For every shipped (drafter, task) record file (greedy decoding of the calibration prompts: each
 position's drafter entropy and margin, target entropy, and the rank vector of the true continuation):
@@ -26,10 +26,10 @@ import statistics
 import sys
 from pathlib import Path
 
-from entmtp_sglang.calibrate import PositionRecord, cost_models_of, load_records, pearson, signals_of
+from entmtp_sglang.calibrate import PositionRecord, cost_models_of, load_records, pearson, signals_of, simulate
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.construct import accepted_on, greedy_tree
-from entmtp_sglang.tree.treeset import load_tree_set
+from entmtp_sglang.tree.treeset import TreeEntry, load_tree_set
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ("code", "math", "chat", "prose", "json", "json-grammar", "mixed")
@@ -38,20 +38,17 @@ BINS = (2, 4, 8)
 
 
 def replay(records: list[PositionRecord], choose, cost) -> float:
-    """Tokens per second of greedy decoding of the recorded prompts, `choose(index) -> Tree` per step."""
-    by_prompt: dict[int, list[int]] = {}
-    for i, r in enumerate(records):
-        by_prompt.setdefault(r.prompt, []).append(i)
-    tokens, seconds = 0, 0.0
-    for idx in by_prompt.values():
-        idx.sort(key=lambda i: records[i].pos)
-        pos = 0
-        while pos < len(idx):
-            tree = choose(idx[pos])
-            a = min(accepted_on(tree, records[idx[pos]].ranks), len(idx) - pos - 1)
-            tokens += a + 1
-            seconds += cost(tree)
-            pos += a + 1
+    """Tokens per second of greedy decoding of the recorded prompts (`calibrate.simulate`), with
+    `choose(record) -> Tree` at every step and `cost(tree)` seconds per step."""
+    entries: dict[tuple[int, ...], TreeEntry] = {}
+
+    def pick(record, history):
+        t = choose(record)
+        if t.parents not in entries:
+            entries[t.parents] = TreeEntry(t, (0.0,), {1: cost(t)})
+        return entries[t.parents]
+
+    tokens, _, seconds = simulate(records, pick)
     return tokens / seconds
 
 
@@ -65,14 +62,15 @@ def best_tree(ranks: list, pool: dict, depth: int, max_rank: int, cost) -> Tree:
 
 
 def fold_policy(values: list[float], train: list[int], records, bins: int, pool, depth, max_rank, cost):
-    """Quantile bins of the signal on `train`; per bin the best tree; returns index -> Tree."""
+    """Quantile bins of the signal on `train`; per bin the best tree; returns record -> Tree."""
     s = sorted(values[i] for i in train)
     edges = sorted({s[min(len(s) - 1, len(s) * q // bins)] for q in range(1, bins)})
     groups: list[list] = [[] for _ in range(len(edges) + 1)]
     for i in train:
         groups[bisect.bisect_right(edges, values[i])].append(records[i].ranks)
     trees = [best_tree(g, pool, depth, max_rank, cost) for g in groups]
-    return lambda i: trees[bisect.bisect_right(edges, values[i])]
+    value_of = {(r.prompt, r.pos): v for r, v in zip(records, values)}
+    return lambda rec: trees[bisect.bisect_right(edges, value_of[(rec.prompt, rec.pos)])]
 
 
 def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 6) -> dict:
@@ -91,17 +89,16 @@ def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 
         for n in BUDGETS:
             t = greedy_tree([records[i].ranks for i in train], n, depth, max_rank)
             pool.setdefault(t.parents, t)
-        static_best = max(replay(sub, lambda j, t=t: t, cost) for t in pool.values())
-        oracle = replay(sub, lambda j: max(pool.values(), key=lambda t: (accepted_on(t, sub[j].ranks) + 1) / cost(t)),
+        static_best = max(replay(sub, lambda rec, t=t: t, cost) for t in pool.values())
+        oracle = replay(sub, lambda rec: max(pool.values(), key=lambda t: (accepted_on(t, rec.ranks) + 1) / cost(t)),
                         cost)
         ratios.setdefault("oracle", []).append(oracle / static_best)
         one = fold_policy([0.0] * len(records), train, records, 1, pool, depth, max_rank, cost)
-        ratios.setdefault("one bin", []).append(replay(sub, lambda j: one(test[j]), cost) / static_best)
+        ratios.setdefault("one bin", []).append(replay(sub, one, cost) / static_best)
         for name, values in sig.items():
             for bins in BINS:
                 pol = fold_policy(values, train, records, bins, pool, depth, max_rank, cost)
-                ratios.setdefault(f"{name}/{bins}", []).append(replay(sub, lambda j: pol(test[j]), cost)
-                                                               / static_best)
+                ratios.setdefault(f"{name}/{bins}", []).append(replay(sub, pol, cost) / static_best)
     out["vs_static_best"] = {k: round(statistics.fmean(v), 3) for k, v in ratios.items()}
     return out
 
