@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import jsonschema
@@ -201,3 +202,21 @@ def test_cli_prints_the_finish_reason(tmp_path, capsys):
     (tmp_path / "yn.ebnf").write_text('root ::= "yes" | "no"')
     assert main(["generate", "--prompt", "Is it? ", "--ebnf", str(tmp_path / "yn.ebnf"), "--tree", "chain:2"]) == 0
     assert "-- finish: grammar_complete" in capsys.readouterr().out
+
+
+def test_the_observer_sees_the_grammar_masked_draft(random_models):
+    """A batch policy reads the drafter through the observer; under grammar drafting it must see the same
+    masked distribution as each request's StepView (whose draft entropy is taken after the mask)."""
+    from entmtp_sglang.engine.sampling import entropy_nats
+
+    target, drafters = random_models
+    engine = Engine(target, "hydra", drafters["hydra"])
+    seen: list[list[float]] = []
+    res = engine.generate([[5, 6, 7], [8, 9]], 12, static_chooser(Tree.chain(2)),
+                          observer=lambda state, lens, drafting, active: seen.append(
+                              entropy_nats(state.root_logits).tolist()),
+                          grammars=[_tiny_grammar('root ::= [a-c]+'), None])
+    steps = res[0].steps
+    assert len(steps) >= 2
+    assert all(s.draft_entropy <= math.log(4) + 1e-5 for s in steps)  # a, b, c or the stop token
+    assert [round(h[0], 4) for h in seen[:len(steps)]] == [round(s.draft_entropy, 4) for s in steps]

@@ -193,7 +193,8 @@ class Engine:
                  observer: Callable | None = None, grammars: list | None = None,
                  grammar_drafting: bool = True) -> list[RequestResult]:
         """Generate for a batch. `chooser` picks each request's tree per step. `observer(state, lens,
-        drafting, active)`, if given, sees the drafter state of every step before the tree is chosen.
+        drafting, active)`, if given, sees the drafter state of every step before the tree is chosen
+        (`state.root_logits` already masked by each request's grammar when drafts are masked).
 
         `grammars[i]` (a `grammar.RequestGrammar` or None) constrains request i: the target's logits at
         every tree node are masked by that node's grammar state, so the output equals constrained
@@ -245,14 +246,14 @@ class Engine:
         while any(active):
             t0 = time.perf_counter()
             state = drafting.begin(feats, roots)
-            if observer is not None:
-                observer(state, lens, drafting, active)
             legal = None
             if any(g is not None for g in grammars) and grammar_drafting:
                 now = {i: g.root_mask() for i, g in enumerate(grammars) if g is not None and active[i]}
                 for i, m in now.items():
                     state.root_logits[i] = state.root_logits[i].masked_fill(~m, float("-inf"))
                 legal = _GrammarDraftMasks(grammars, now, state.root_logits.shape[-1])
+            if observer is not None:  # after the grammar mask: it sees what the choosers' views carry
+                observer(state, lens, drafting, active)
             d_ent = entropy_nats(state.root_logits)
             d_margin = top_margin(state.root_logits)
             trees = []

@@ -60,7 +60,8 @@ def entropy_nats(logits: torch.Tensor) -> torch.Tensor:
 def top_margin(logits: torch.Tensor) -> torch.Tensor:
     """(..., V) logits -> (...) p(top-1) - p(top-2) of softmax(logits). Masked (-inf) entries count as
     probability 0; a row with a single allowed token has margin 1."""
-    probs = torch.softmax(logits.float(), -1)
-    top = probs.topk(min(2, probs.shape[-1]), -1).values
+    x = logits.float()
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    top = torch.exp(x.topk(min(2, x.shape[-1]), -1).values - lse)  # the two largest probabilities
     second = top[..., 1] if top.shape[-1] > 1 else torch.zeros_like(top[..., 0])
     return (top[..., 0] - second).nan_to_num(0.0)
