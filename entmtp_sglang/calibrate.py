@@ -12,7 +12,8 @@
    step by step so they share the machine's conditions; batch 1, 8, 32), fit
    seconds = base + per_node * nodes + per_depth * depth, keep the trees that lie on some bin's Pareto
    frontier (cost vs. expected tokens per step) or are some bin's best value, and write the tree set
-   with the fitted costs (+ a Pareto plot).
+   with the fitted costs (+ a Pareto plot). With a measured cost table (`--cost-table`, `cost_table.py`)
+   the step times of the same grid come from the table (another machine, e.g. a GPU) instead.
 """
 
 from __future__ import annotations
@@ -326,9 +327,11 @@ def hardware() -> str:
 
 def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[list[int]],
                    cfg: CalibrationConfig, log=print, signal: str | None = None,
-                   models: dict[int, StepCostModel] | None = None) -> tuple[TreeSet, dict]:
+                   models: dict[int, StepCostModel] | None = None,
+                   cost_source: dict | None = None) -> tuple[TreeSet, dict]:
     """`signal` forces the bins' signal (default: the one that best predicts acceptance); `models` reuses
-    step-cost models per batch size instead of measuring them."""
+    step-cost models per batch size instead of measuring them; `cost_source` says where given models came
+    from (a cost table: `cost_table.step_cost_models_from_table`), recorded as the set's hardware."""
     depth = min(cfg.max_depth, max(len(r.ranks) for r in records))
     sig = signals_of(records, cfg.window)
     acc = [float(r.chain_accepted) for r in records]
@@ -354,7 +357,8 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
     for d in range(1, depth + 1):
         cands.setdefault(Tree.chain(d).parents, Tree.chain(d))
     trees = list(cands.values())
-    log(f"{len(trees)} candidate trees; step costs from the in-situ model")
+    log(f"{len(trees)} candidate trees; step costs from the "
+        f"{'cost table ' + cost_source['table'] if cost_source else 'in-situ model'}")
     models = models or step_cost_models(bundle, prompts, COST_BATCHES, depth, log)
     value = {id(t): [[(expected_accepted(t, recs) + 1) / models[bsz](t) for bsz in COST_BATCHES]
                      for recs in bins] for t in trees}
@@ -367,9 +371,11 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
         # and the frontier members with the best value at batch 1
         front.sort(key=lambda i: -value[id(trees[i])][b][0])
         keep.update(front[:2])
+    keep.discard(0)  # chain:0 (candidate 0) is added below: every set can back off to plain decoding
     chosen = sorted(keep, key=lambda i: trees[i].num_nodes)
-    if len(chosen) > cfg.max_trees:
-        chosen = sorted(chosen, key=lambda i: -max(max(v) for v in value[id(trees[i])]))[:cfg.max_trees]
+    if len(chosen) > cfg.max_trees - 1:
+        chosen = sorted(chosen, key=lambda i: -max(max(v) for v in value[id(trees[i])]))[:cfg.max_trees - 1]
+    chosen = [0] + chosen
     entries = []
     for i in sorted(chosen, key=lambda i: trees[i].num_nodes):
         t = trees[i]
@@ -382,11 +388,13 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
     }
     ts = TreeSet(
         model=bundle.path.name, drafter=bundle.drafter_kind, task=cfg.task, signal=signal,
-        bin_edges=edges, trees=tuple(entries), hardware=hardware(),
+        bin_edges=edges, trees=tuple(entries),
+        hardware=f"{cost_source['device']} (cost table {cost_source['table']})" if cost_source else hardware(),
         provenance={"prompts": len(prompts), "positions": len(records), "split": "calib",
                     "max_new_tokens": cfg.max_new_tokens, "max_rank": cfg.max_rank,
                     "signal_correlations": corr, "bin_sizes": [len(b) for b in bins],
                     "step_cost_model": {str(b): m.to_json() for b, m in models.items()},
+                    "step_cost_source": cost_source or "in situ",
                     "commit": git_commit(), "created": time.strftime("%Y-%m-%d %H:%M:%S")})
     return ts, all_points
 

@@ -118,8 +118,14 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--out", type=Path, default=None,
                    help="output JSON (default: trees/<model>-<drafter>-<task>.json in the repository)")
     p.add_argument("--from-records", action="store_true",
-                   help="reuse the acceptance records saved next to the output (...records.jsonl) instead of "
-                        "decoding again; only the step costs are measured anew")
+                   help="reuse the acceptance records saved next to the output (...records.jsonl; else those of "
+                        "the default output) instead of decoding again; only the step costs are measured anew")
+    p.add_argument("--cost-table", type=Path, default=None, metavar="FILE",
+                   help="take step costs from a measured cost table (bench/gpu_costs.py's JSON, e.g. from the "
+                        "GPU check) instead of timing this machine; default output "
+                        "trees/<model>-<drafter>-<task>-<device>.json")
+    p.add_argument("--cost-model", default=None, metavar="NAME",
+                   help="with --cost-table: the table's model to cost (default: the one with this model's shape)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
 
 
@@ -143,6 +149,22 @@ def _calibrate(args) -> int:
     if args.out and len(tasks) > 1:
         print("error: --out needs a single --task", file=sys.stderr)
         return 2
+    models = cost_source = None
+    if args.cost_table:
+        from .calibrate import COST_BATCHES
+        from .cost_table import CostTableError, load_cost_table, step_cost_models_from_table
+
+        try:
+            table = load_cost_table(args.cost_table)
+            depth = min(CalibrationConfig.max_depth, getattr(bundle.drafter, "max_depth", 64))
+            models, cost_source = step_cost_models_from_table(table, bundle.target.shape, args.drafter, COST_BATCHES,
+                                                              depth, args.cost_model, log=tqdm.write)
+        except CostTableError as e:
+            print(f"error: --cost-table: {e}", file=sys.stderr)
+            return 2
+    elif args.cost_model:
+        print("error: --cost-model needs --cost-table", file=sys.stderr)
+        return 2
     for task in tasks:
         cfg = CalibrationConfig(args.drafter, task, args.prompts, args.max_new_tokens, num_bins=args.bins)
         if task == "mixed":
@@ -160,17 +182,27 @@ def _calibrate(args) -> int:
             prompts = [bundle.tokenizer.encode(it["prompt"]).ids[-room:] for it in items]
             cfg = CalibrationConfig(args.drafter, "json-grammar", len(prompts), args.max_new_tokens,
                                     num_bins=args.bins)
-        out = args.out or Path("trees") / f"{bundle.path.name}-{args.drafter}-{cfg.task}.json"
+        default_out = Path("trees") / f"{bundle.path.name}-{args.drafter}-{cfg.task}.json"
+        if cost_source and not args.out:
+            import re
+
+            device = re.sub(r"[^a-z0-9]+", "-", cost_source["device"].lower()).strip("-")
+            default_out = default_out.with_name(f"{default_out.stem}-{device}.json")
+        out = args.out or default_out
         if args.from_records:
+            found = [p for p in (out.with_suffix(".records.jsonl"), default_out.with_suffix(".records.jsonl"),
+                                 Path("trees") / f"{bundle.path.name}-{args.drafter}-{cfg.task}.records.jsonl")
+                     if p.exists()]
             try:
-                records = load_records(out.with_suffix(".records.jsonl"))
+                records = load_records(found[0] if found else out.with_suffix(".records.jsonl"))
             except OSError as e:
                 print(f"error: --from-records: {e}", file=sys.stderr)
                 return 2
         else:
             with tqdm(total=len(prompts), desc=f"calibrate {args.drafter}/{cfg.task}", unit="prompt") as bar:
                 records = record_positions(bundle, prompts, cfg, bar, make_grammars)
-        ts, points = build_tree_set(bundle, records, prompts, cfg, log=tqdm.write)
+        ts, points = build_tree_set(bundle, records, prompts, cfg, log=tqdm.write, models=models,
+                                    cost_source=cost_source)
         out.parent.mkdir(parents=True, exist_ok=True)
         ts.save(out)
         plot_pareto(points, ts, out.with_suffix(".png"))

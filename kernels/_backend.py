@@ -22,6 +22,17 @@ def triton_available() -> bool:
     return True
 
 
+@functools.lru_cache(maxsize=None)
+def flashinfer_available() -> bool:
+    """True when ``import flashinfer`` succeeds (checked once, lazily; FlashInfer compiles its kernels with
+    nvcc at first use, so importing it is cheap but a kernel's first run is not)."""
+    try:
+        import flashinfer  # noqa: F401
+    except Exception:  # ImportError, or a broken install (missing tvm_ffi, cuda-python, ...)
+        return False
+    return True
+
+
 def triton_interpret() -> bool:
     """True when Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")

@@ -2,7 +2,9 @@
 
 It is the target model of the reference engine. Its weight names, RMSNorm and rotary embedding follow
 `transformers`' Llama exactly, so the same safetensors file serves this module, `transformers` and SGLang.
-Attention takes an explicit boolean mask, so one forward pass can verify a whole token tree.
+Attention takes an explicit boolean mask, so one forward pass can verify a whole token tree: through
+FlashInfer's custom-mask prefill on CUDA (float16/bfloat16, when flashinfer imports), through torch SDPA
+with the mask everywhere else (`entmtp_sglang.kernels.tree_attention`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..kernels.tree_attention import ATTENTION_BACKENDS, tree_attention
 
 
 @dataclass(frozen=True)
@@ -128,15 +132,20 @@ class KVCache:
         self.v[layer].scatter_(2, idx, v)
 
     def keep(self, rows: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """Compaction: for each i, copy slot src[i] of row rows[i] to slot dst[i] (all layers)."""
+        """Compaction: for each i, copy slot src[i] of row rows[i] to slot dst[i] (all layers).
+        The indices may live on another device than the cache (the engine keeps them on the CPU)."""
         if rows.numel() == 0:
             return
+        dev = self.k[0].device
+        rows, src, dst = rows.to(dev), src.to(dev), dst.to(dev)
         for cache in (self.k, self.v):
             for layer in cache:
                 layer[rows, :, dst] = layer[rows, :, src]
 
 
 class Attention(nn.Module):
+    backend = "auto"  # tree attention backend: "auto" | "torch" | "flashinfer" (set_attention_backend)
+
     def __init__(self, shape: LlamaShape):
         super().__init__()
         hd = shape.head_dim
@@ -156,15 +165,14 @@ class Attention(nn.Module):
         q, k = rotary(q, positions), rotary(k, positions)
         if cache is not None:
             cache.write(layer, start, k, v)
-            span = mask.shape[-1]
-            k, v = cache.k[layer][:, :, :span], cache.v[layer][:, :, :span]
-        if self.n_kv != self.n_heads:
-            rep = self.n_heads // self.n_kv
-            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        if mask is None:
+            k, v = cache.k[layer], cache.v[layer]  # (B, n_kv, C, hd); the mask covers slots [0, S)
+        if mask is None:  # causal self-attention over the new tokens alone (no cache)
+            if self.n_kv != self.n_heads:
+                rep = self.n_heads // self.n_kv
+                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+            y = tree_attention(q, k, v, mask, backend=self.backend)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -239,6 +247,20 @@ class LlamaForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return F.linear(hidden, self.lm_head_weight)
+
+    def set_attention_backend(self, backend: str) -> None:
+        """Tree attention backend of every layer: "auto" (FlashInfer for CUDA float16/bfloat16 when it
+        imports, else torch SDPA), "torch" or "flashinfer"."""
+        set_attention_backend(self, backend)
+
+
+def set_attention_backend(module: nn.Module, backend: str) -> None:
+    """Set the tree attention backend of every `Attention` in `module` (a target or an EAGLE drafter)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; expected one of {ATTENTION_BACKENDS}")
+    for m in module.modules():
+        if isinstance(m, Attention):
+            m.backend = backend
 
 
 def init_weights(module: nn.Module, std: float = 0.02) -> None:
