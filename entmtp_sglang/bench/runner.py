@@ -95,7 +95,9 @@ def run_bench(cfg: BenchConfig, progress: bool = True, log=None) -> BenchResult:
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     started = time.time()
-    ctx = BenchContext(Path(cfg.model_dir) if cfg.model_dir else None, cfg.cost_steps, cfg.cost_rounds,
+    from ..model.prepare import resolve_alias
+
+    ctx = BenchContext(resolve_alias(cfg.model_dir) if cfg.model_dir else None, cfg.cost_steps, cfg.cost_rounds,
                        cfg.oracle_max_batch, cfg.max_prompt_tokens, log=log or tqdm.write)
     names = list(cfg.run_systems())
     systems: dict[str, System] = {n: make_system(n, ctx) for n in names}

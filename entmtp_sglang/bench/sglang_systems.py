@@ -5,7 +5,7 @@
     sglang-adaptive   SGLang's --speculative-adaptive (EMA of accepted length picks the draft depth)
     sglang-entmtp     --speculative-algorithm ENTMTP (this package's plugin, its shipped EAGLE tree set)
 
-All four serve the bundled model and its EAGLE drafter (the same weights), in float32, with
+All four serve the run's model (`entmtp bench --model`) and its EAGLE drafter (the same weights), in float32, with
 `--sleep-on-idle`; the server configurations are `entmtp_sglang/sglang/benchmark.py`'s, shared with
 `bench/sglang_cpu.py`. The servers of a run are started together once, on the first timed (warm-up) call,
 so they do not disturb the reference engine's cost measurements during set-up, and they are stopped in
@@ -50,17 +50,17 @@ def server_pool(ctx: BenchContext) -> ServerPool:
     """The run's one pool of SGLang servers (shared by the four systems through the context)."""
     def make():
         log_dir = Path(tempfile.mkdtemp(prefix="entmtp-bench-sglang-"))
-        return ServerPool(log_dir, FLOAT32, progress=ctx.log)
+        return ServerPool(log_dir, FLOAT32, progress=ctx.log, model=ctx.model_dir)
 
     return ctx.get("sglang", make)
 
 
-def entmtp_tree_set() -> tuple[Path, dict[str, int]]:
+def entmtp_tree_set(model_dir: Path | None = None) -> tuple[Path, dict[str, int]]:
     """The tree set the ENTMTP server resolves (ENTMTP_TREE_SET or the shipped one) and each tree's nodes."""
     from ..sglang.config import resolve_tree_set_path
     from ..tree.treeset import load_tree_set
 
-    path = resolve_tree_set_path(None)
+    path = resolve_tree_set_path(None, Path(model_dir).name if model_dir else "entmtp-tiny")
     return path, {e.tree.name: e.tree.num_nodes for e in load_tree_set(path).trees}
 
 
@@ -70,7 +70,7 @@ class SGLangSystem(System):
 
     def __init__(self, ctx: BenchContext, spec: SystemSpec):
         self.ctx, self.spec = ctx, spec
-        self.tree_set, self.tree_nodes = entmtp_tree_set() if spec.speculative == "ENTMTP" else (None, None)
+        self.tree_set, self.tree_nodes = entmtp_tree_set(ctx.model_dir) if spec.speculative == "ENTMTP" else (None, None)
         self._missing = sglang_missing()
 
     def supports(self, batch_size: int) -> str | None:

@@ -86,7 +86,7 @@ def build_streams(task: str, n: int, tokenizer, context_tokens: int, max_new_tok
     if task != "mixed":
         streams = []
         for it in _items(task, n):
-            ids = tuple(tokenizer.encode(it["prompt"]).ids[-keep:])
+            ids = tuple(tokenizer.item_ids(it, keep))
             streams.append(Stream((ids,), (tokenizer.decode(list(ids)),), (it["id"],)))
         return TaskStreams(task, tuple(streams))
     if plain_generate is None:
@@ -97,8 +97,8 @@ def build_streams(task: str, n: int, tokenizer, context_tokens: int, max_new_tok
     for k, items in enumerate(turns):
         prompts = []
         for i, it in enumerate(items):
-            text = it["prompt"] if k == 0 else "\n" + it["prompt"]
-            session[i] = (session[i] + tokenizer.encode(text).ids)[-keep:]
+            turn = tokenizer.item_ids(it) if k == 0 else tokenizer.next_turn_ids(it)
+            session[i] = (session[i] + turn)[-keep:]
             prompts.append(list(session[i]))
             segments[i].append(tuple(session[i]))
         if k + 1 < len(turns):

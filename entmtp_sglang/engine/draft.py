@@ -140,6 +140,8 @@ class EagleDrafting:
         self.lens = None  # (B,) committed draft-cache entries per row
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
+        if self.draft.head is not None:  # a draft vocabulary: -inf outside it
+            return self.draft.head(out)
         return torch.nn.functional.linear(out, self.lm_head)
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_lens: torch.Tensor, features: torch.Tensor,

@@ -7,6 +7,12 @@ it chose the next token x_n (the tree's root, already known). A drafter proposes
 * Hydra: head k also sees the tokens on the path, x_n .. x_{n+k-1}, through a recurrent state.
 * EAGLE: one Llama decoder layer over (embedding of token, feature of the previous position), in
   SGLang's `LlamaForCausalLMEagle` layout; it has its own KV cache over the committed context.
+
+Drafters for a large-vocabulary target (SmolLM2's 49,152 tokens) store no embedding or output layer of
+their own: they share the target's (`share_target`), restricted to a draft vocabulary of the most frequent
+tokens (FR-Spec, EAGLE-3's draft-to-target map), because the full output layer dominates a drafter step on
+a CPU. Their logits still cover the whole vocabulary, with -inf outside the draft vocabulary, so drafting,
+grammar masks and signals need not know.
 """
 
 from __future__ import annotations
@@ -16,6 +22,34 @@ import torch.nn.functional as F
 from torch import nn
 
 from .llama import DecoderLayer, KVCache, LlamaShape, RMSNorm, Rotary
+
+
+class DraftVocabHead(nn.Module):
+    """The target's output layer restricted to `draft_ids` (Vd,) target token ids.
+
+    logits[..., draft_ids[i]] = x . W_target[draft_ids[i]]; every other token gets -inf."""
+
+    def __init__(self, vocab_size: int, draft_ids: torch.Tensor):
+        super().__init__()
+        if draft_ids.dim() != 1 or int(draft_ids.max()) >= vocab_size or int(draft_ids.min()) < 0:
+            raise ValueError(f"draft vocabulary ids must be a 1-D list within [0, {vocab_size})")
+        self.vocab_size = vocab_size
+        self.register_buffer("draft_ids", draft_ids.long(), persistent=False)
+        self.weight: torch.Tensor | None = None  # (Vd, d), the target's rows; set by attach
+
+    def attach(self, target_head_weight: torch.Tensor) -> None:
+        self.weight = target_head_weight.detach()[self.draft_ids].contiguous()
+
+    def draft_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """Logits over the draft vocabulary only: (..., Vd)."""
+        if self.weight is None:
+            raise RuntimeError("the drafter's output layer is shared with the target: call share_target first")
+        return F.linear(x, self.weight.to(x.dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        small = self.draft_logits(x)
+        out = small.new_full((*small.shape[:-1], self.vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_ids, small)
 
 
 class ResBlock(nn.Module):
@@ -33,11 +67,19 @@ class MedusaHeads(nn.Module):
 
     kind = "medusa"
 
-    def __init__(self, hidden: int, vocab: int, num_heads: int):
+    def __init__(self, hidden: int, vocab: int, num_heads: int, draft_ids: torch.Tensor | None = None):
         super().__init__()
         self.num_heads = num_heads
         self.blocks = nn.ModuleList(ResBlock(hidden) for _ in range(num_heads))
-        self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(num_heads))
+        if draft_ids is None:  # own output layers (the bundled model's drafters)
+            self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(num_heads))
+            self.head = None
+        else:
+            self.head = DraftVocabHead(vocab, draft_ids)
+
+    def share_target(self, target) -> None:
+        if self.head is not None:
+            self.head.attach(target.lm_head_weight)
 
     @property
     def max_depth(self) -> int:
@@ -45,7 +87,8 @@ class MedusaHeads(nn.Module):
 
     def head_logits(self, feature: torch.Tensor, depth: int) -> torch.Tensor:
         """feature (..., d) = f_{n-1}; returns logits (..., V) over x_{n+depth}, depth in 1..K."""
-        return self.lm_heads[depth - 1](self.blocks[depth - 1](feature))
+        h = self.blocks[depth - 1](feature)
+        return self.head(h) if self.head is not None else self.lm_heads[depth - 1](h)
 
 
 class HydraHead(nn.Module):
@@ -53,19 +96,38 @@ class HydraHead(nn.Module):
 
     kind = "hydra"
 
-    def __init__(self, hidden: int, vocab: int, num_heads: int, eps: float = 1e-5):
+    def __init__(self, hidden: int, vocab: int, num_heads: int, eps: float = 1e-5,
+                 draft_ids: torch.Tensor | None = None, mlp_width: int | None = None):
         super().__init__()
         self.num_heads = num_heads
-        self.embed = nn.Embedding(vocab, hidden)
+        width = mlp_width or 2 * hidden
         self.mlps = nn.ModuleList(
-            nn.Sequential(nn.Linear(2 * hidden, 2 * hidden), nn.SiLU(), nn.Linear(2 * hidden, hidden))
+            nn.Sequential(nn.Linear(2 * hidden, width), nn.SiLU(), nn.Linear(width, hidden))
             for _ in range(num_heads)
         )
         for mlp in self.mlps:
             nn.init.zeros_(mlp[2].weight)
             nn.init.zeros_(mlp[2].bias)
         self.norm = RMSNorm(hidden, eps)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        if draft_ids is None:  # own embedding and output layer (the bundled model's drafter)
+            self.embed = nn.Embedding(vocab, hidden)
+            self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        else:  # the target's, shared (share_target)
+            self.embed = None
+            self.lm_head = DraftVocabHead(vocab, draft_ids)
+        self._embed_weight: torch.Tensor | None = None
+
+    def share_target(self, target) -> None:
+        if self.embed is None:
+            self._embed_weight = target.model.embed_tokens.weight.detach()
+            self.lm_head.attach(target.lm_head_weight)
+
+    def embed_tokens(self, token: torch.Tensor) -> torch.Tensor:
+        if self.embed is not None:
+            return self.embed(token)
+        if self._embed_weight is None:
+            raise RuntimeError("the drafter's embedding is shared with the target: call share_target first")
+        return F.embedding(token, self._embed_weight)
 
     @property
     def max_depth(self) -> int:
@@ -75,7 +137,7 @@ class HydraHead(nn.Module):
         """Advance from depth-1 to depth. state (..., d), token (...) = x_{n+depth-1}.
 
         Returns (new_state, logits over x_{n+depth})."""
-        z = state + self.mlps[depth - 1](torch.cat((state, self.embed(token)), dim=-1))
+        z = state + self.mlps[depth - 1](torch.cat((state, self.embed_tokens(token).to(state.dtype)), dim=-1))
         return z, self.lm_head(self.norm(z))
 
 
@@ -88,10 +150,13 @@ class EagleDraft(nn.Module):
 
     kind = "eagle"
 
-    def __init__(self, shape: LlamaShape):
+    def __init__(self, shape: LlamaShape, draft_ids: torch.Tensor | None = None):
         super().__init__()
         self.shape = shape
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        # None: logits with the target's full output layer; else the draft vocabulary (SGLang's token map)
+        self.head = DraftVocabHead(shape.vocab_size, draft_ids) if draft_ids is not None else None
+        self.shares_embedding = draft_ids is not None
         self.fc = nn.Linear(2 * shape.hidden_size, shape.hidden_size, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(shape, input_norm=False)])
         self.rotary = Rotary(shape.head_dim, shape.rope_theta, shape.max_position_embeddings)
@@ -99,6 +164,13 @@ class EagleDraft(nn.Module):
     @property
     def max_depth(self) -> int:
         return 64  # autoregressive: limited only by the tree
+
+    def share_target(self, target) -> None:
+        if self.shares_embedding:  # checkpoints without embed_tokens, as SGLang shares the target's too
+            self.embed_tokens.weight.data = target.model.embed_tokens.weight.detach().to(
+                self.embed_tokens.weight.dtype)
+        if self.head is not None:
+            self.head.attach(target.lm_head_weight)
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         s = self.shape
@@ -111,11 +183,15 @@ class EagleDraft(nn.Module):
         return self.layers[0](x, positions, self.rotary, mask, cache, 0, start)
 
 
-def build_drafter(kind: str, shape: LlamaShape, num_heads: int = 5) -> nn.Module:
+SHARED_WEIGHTS = ("embed_tokens.weight", "embed.weight")  # never stored by drafters that share the target's
+
+
+def build_drafter(kind: str, shape: LlamaShape, num_heads: int = 5, draft_ids: torch.Tensor | None = None,
+                  mlp_width: int | None = None) -> nn.Module:
     if kind == "medusa":
-        return MedusaHeads(shape.hidden_size, shape.vocab_size, num_heads)
+        return MedusaHeads(shape.hidden_size, shape.vocab_size, num_heads, draft_ids)
     if kind == "hydra":
-        return HydraHead(shape.hidden_size, shape.vocab_size, num_heads, shape.rms_norm_eps)
+        return HydraHead(shape.hidden_size, shape.vocab_size, num_heads, shape.rms_norm_eps, draft_ids, mlp_width)
     if kind == "eagle":
-        return EagleDraft(shape)
+        return EagleDraft(shape, draft_ids)
     raise ValueError(f"unknown drafter {kind!r}; choose one of medusa, hydra, eagle")

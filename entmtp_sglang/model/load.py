@@ -3,17 +3,22 @@
     <dir>/config.json, model.safetensors, tokenizer.json   target LlamaForCausalLM + tokenizer
     <dir>/medusa/, <dir>/hydra/                              our drafter heads (config.json + safetensors)
     <dir>/eagle/                                             SGLang LlamaForCausalLMEagle checkpoint
+    <dir>/chat_template.jinja                                the chat template, if the model has one
+
+A drafter trained for a pretrained target records the target's identity (`config.json`: "target") and
+may share the target's embedding and output layer over a draft vocabulary (`draft_vocab.safetensors`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .drafters import build_drafter
+from .drafters import SHARED_WEIGHTS, build_drafter
 from .llama import LlamaForCausalLM, LlamaShape
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "models" / "entmtp-tiny"
@@ -32,11 +37,37 @@ def _state(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {k: v.to(dtype) for k, v in load_file(str(path)).items()}
 
 
+def target_fingerprint(target: LlamaForCausalLM) -> str:
+    """A short identity of a target's weights: its shape and the bf16 bits of its first embedding rows."""
+    rows = target.model.embed_tokens.weight[:8].detach().to(torch.bfloat16).view(torch.int16)
+    h = hashlib.sha256(json.dumps(vars(target.shape), sort_keys=True).encode())
+    h.update(rows.cpu().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _read_config(model_dir: Path) -> dict:
+    from .prepare import incomplete_hint
+
+    path = model_dir / "config.json"
+    if not path.exists():
+        hint = incomplete_hint(model_dir)
+        if hint:
+            raise ModelDirError(hint)
+        if not model_dir.exists():
+            raise ModelDirError(f"model directory {model_dir} does not exist (for SmolLM2 run "
+                                f"`entmtp model prepare smollm2`, or pass --model smollm2)")
+        raise ModelDirError(f"{model_dir} has no config.json: not a model directory")
+    cfg = json.loads(path.read_text())
+    archs = cfg.get("architectures") or []
+    if cfg.get("model_type") not in (None, "llama") or (archs and "LlamaForCausalLM" not in archs):
+        raise ModelDirError(f"{model_dir} is a {cfg.get('model_type') or archs} checkpoint, not a Llama "
+                            f"(LlamaForCausalLM): the reference engine runs Llama-architecture targets only")
+    return cfg
+
+
 def load_target(model_dir: Path, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
     model_dir = Path(model_dir)
-    if not (model_dir / "config.json").exists():
-        raise ModelDirError(f"{model_dir} has no config.json: not a model directory")
-    shape = LlamaShape.from_json(model_dir / "config.json")
+    shape = LlamaShape.from_config_dict(_read_config(model_dir))
     model = LlamaForCausalLM(shape)
     missing, unexpected = model.load_state_dict(_state(model_dir / "model.safetensors", dtype), strict=False)
     missing = [m for m in missing if not m.startswith("rotary")]
@@ -46,24 +77,56 @@ def load_target(model_dir: Path, dtype: torch.dtype = torch.float32) -> LlamaFor
     return model.to(dtype).eval().requires_grad_(False)
 
 
-def load_drafter(model_dir: Path, kind: str, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def check_drafter_target(cfg: dict, drafter_dir: Path, target: LlamaForCausalLM | None) -> None:
+    """A drafter that records its target must be loaded with that target."""
+    want = cfg.get("target")
+    if not want or target is None:
+        return
+    got = target_fingerprint(target)
+    if want.get("fingerprint") != got:
+        raise ModelDirError(f"{drafter_dir} was trained for {want.get('name', 'another model')} (fingerprint "
+                            f"{want.get('fingerprint')}), not for this target (fingerprint {got}): use the "
+                            f"drafters shipped with that model (`entmtp model prepare`) or train new ones "
+                            f"(`make drafters`)")
+
+
+def load_drafter(model_dir: Path, kind: str, dtype: torch.dtype = torch.float32,
+                 target: LlamaForCausalLM | None = None) -> torch.nn.Module:
+    """Load `model_dir/kind`; drafters that share the target's embedding or output layer need `target`."""
     if kind not in DRAFTERS:
         raise ValueError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")
     d = Path(model_dir) / kind
     cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else None
     if cfg is None:
         raise ModelDirError(f"{model_dir} has no {kind} drafter (expected {d}/config.json)")
-    if kind == "eagle":
-        module = build_drafter(kind, LlamaShape.from_config_dict(cfg))
-    else:
-        target_shape = LlamaShape.from_json(Path(model_dir) / "config.json")
-        module = build_drafter(kind, target_shape, num_heads=cfg["num_heads"])
-    state = _state(d / "model.safetensors", dtype)
-    missing, unexpected = module.load_state_dict(state, strict=False)
-    missing = [m for m in missing if not m.startswith("rotary")]
+    check_drafter_target(cfg, d, target)
+    draft_ids = None
+    if (d / "draft_vocab.safetensors").exists():
+        from safetensors.torch import load_file
+
+        draft_ids = load_file(str(d / "draft_vocab.safetensors"))["draft_ids"].long()
+    try:
+        if kind == "eagle":
+            module = build_drafter(kind, LlamaShape.from_config_dict(cfg), draft_ids=draft_ids)
+        else:
+            target_shape = LlamaShape.from_json(Path(model_dir) / "config.json")
+            module = build_drafter(kind, target_shape, num_heads=cfg["num_heads"], draft_ids=draft_ids,
+                                   mlp_width=cfg.get("mlp_width"))
+        state = _state(d / "model.safetensors", dtype)
+        missing, unexpected = module.load_state_dict(state, strict=False)
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise ModelDirError(f"{d}: cannot load this drafter for the target in {model_dir} ({e}); was it "
+                            f"trained for another model?") from None
+    shared = draft_ids is not None
+    missing = [m for m in missing if not m.startswith("rotary") and not (shared and m in SHARED_WEIGHTS)]
     if missing or unexpected:
         raise ModelDirError(f"{d}: weights do not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
-    return module.to(dtype).eval().requires_grad_(False)
+    module = module.to(dtype)
+    if shared:
+        if target is None:
+            raise ModelDirError(f"{d} shares the target's embedding and output layer: load it with its target")
+        module.share_target(target)
+    return module.eval().requires_grad_(False)
 
 
 @dataclass
@@ -71,18 +134,77 @@ class Bundle:
     target: LlamaForCausalLM
     drafter_kind: str
     drafter: torch.nn.Module
-    tokenizer: object  # tokenizers.Tokenizer
+    tokenizer: "PromptTokenizer"
     eos_token_id: int
     path: Path
+
+    @property
+    def chat_template(self) -> str | None:
+        return self.tokenizer.chat_template
+
+    def prompt_ids(self, item: dict, keep: int | None = None) -> list[int]:
+        return self.tokenizer.item_ids(item, keep)
+
+    def text_ids(self, text: str, chat: bool = True) -> list[int]:
+        return self.tokenizer.text_ids(text, chat)
+
+
+class PromptTokenizer:
+    """A `tokenizers.Tokenizer` that also knows the model's chat template (None for the bundled model).
+
+    `encode`/`decode` pass through; `item_ids` turns a shipped prompt item into the ids the model should
+    see: as written for a model without a chat template, else its user request through the template."""
+
+    def __init__(self, tokenizer, chat_template: str | None = None):
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def encode(self, text: str):
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids, **kw) -> str:
+        return self.tokenizer.decode(ids, **kw)
+
+    def item_ids(self, item: dict, keep: int | None = None) -> list[int]:
+        from ..tasks import prompt_text
+
+        ids = self.encode(prompt_text(item, self.chat_template)).ids
+        return ids[-keep:] if keep else ids
+
+    def text_ids(self, text: str, chat: bool = True) -> list[int]:
+        """A user's text as one user turn through the chat template (if any, and `chat`)."""
+        from ..tasks import render_chat
+
+        if chat and self.chat_template:
+            text = render_chat(self.chat_template, text)
+        return self.encode(text).ids
+
+    def next_turn_ids(self, item: dict) -> list[int]:
+        """A later user turn of a conversation, after the assistant's reply (eos already dropped)."""
+        from ..tasks import render_chat, user_message
+
+        if not self.chat_template:
+            return self.encode("\n" + item["prompt"]).ids
+        turn = render_chat(self.chat_template, user_message(item))
+        turn = turn[turn.index("<|im_start|>user"):] if "<|im_start|>user" in turn else turn
+        return self.encode("<|im_end|>\n" + turn).ids
 
 
 def load_bundle(model_dir: Path | None = None, drafter: str = "medusa",
                 dtype: torch.dtype = torch.float32) -> Bundle:
     from tokenizers import Tokenizer
 
-    model_dir = Path(model_dir) if model_dir else BUNDLED_MODEL
+    from .prepare import resolve_alias
+
+    model_dir = resolve_alias(model_dir) if model_dir else BUNDLED_MODEL
     target = load_target(model_dir, dtype)
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     cfg = json.loads((model_dir / "config.json").read_text())
-    return Bundle(target, drafter, load_drafter(model_dir, drafter, dtype), tok,
-                  int(cfg.get("eos_token_id", 0)), model_dir)
+    template = model_dir / "chat_template.jinja"
+    eos = cfg.get("eos_token_id", 0)
+    eos = eos[0] if isinstance(eos, list) else eos
+    tok = PromptTokenizer(tok, template.read_text() if template.exists() else None)
+    return Bundle(target, drafter, load_drafter(model_dir, drafter, dtype, target), tok, int(eos), model_dir)

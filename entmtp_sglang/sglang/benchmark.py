@@ -46,8 +46,9 @@ class SystemSpec:
     adaptive: bool = False
     attention: str = "entmtp_torch"
 
-    def server(self, log_dir: Path, device_args: tuple[str, ...]) -> SGLangServer:
-        return SGLangServer.cpu(self.speculative, steps=self.steps, topk=self.topk,
+    def server(self, log_dir: Path, device_args: tuple[str, ...], model: Path | None = None) -> SGLangServer:
+        kw = {"model": Path(model)} if model else {}
+        return SGLangServer.cpu(self.speculative, **kw, steps=self.steps, topk=self.topk,
                                 draft_tokens=self.draft_tokens, adaptive=self.adaptive,
                                 attention=self.attention, log_path=log_dir / f"{self.name}.log",
                                 extra=device_args)
@@ -79,8 +80,10 @@ class ServerPool:
     `stop()` is also registered with `atexit`, and each server dies with the thread that started it
     (serve.py), so no server outlives the benchmark."""
 
-    def __init__(self, log_dir: Path, device_args: tuple[str, ...] = FLOAT32, progress=print):
+    def __init__(self, log_dir: Path, device_args: tuple[str, ...] = FLOAT32, progress=print,
+                 model: Path | None = None):
         self.log_dir, self.device_args, self.progress = Path(log_dir), tuple(device_args), progress
+        self.model = model  # None: the bundled model
         self.specs: dict[str, SystemSpec] = {}
         self.servers: dict[str, SGLangServer] = {}
         self.start_seconds: float | None = None
@@ -104,7 +107,7 @@ class ServerPool:
         t0 = time.perf_counter()
         try:
             for spec in todo:
-                srv = self.servers[spec.name] = spec.server(self.log_dir, self.device_args).start(wait=False)
+                srv = self.servers[spec.name] = spec.server(self.log_dir, self.device_args, self.model).start(wait=False)
                 proc = getattr(srv, "proc", None)
                 self.started.append((spec.name, proc.pid if proc is not None else -1, getattr(srv, "port", -1)))
             for spec in todo:

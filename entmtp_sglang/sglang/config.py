@@ -2,8 +2,8 @@
 
 The tree set comes from, in order: the `ENTMTP_TREE_SET` environment variable, SGLang's
 `--speculative-adaptive-config FILE` when FILE is an EntMTP tree set (JSON with
-`"format": "entmtp-tree-set"`), or the shipped default for the bundled model's EAGLE drafter
-(`entmtp_sglang/trees/entmtp-tiny-eagle-mixed.json`). `ENTMTP_GRAMMAR_DRAFT=0` turns off the grammar-masked
+`"format": "entmtp-tree-set"`), or the shipped EAGLE set for the served model's directory name
+(`entmtp_sglang/trees/<name>-eagle-mixed.json`: entmtp-tiny, smollm2-135m-instruct). `ENTMTP_GRAMMAR_DRAFT=0` turns off the grammar-masked
 entropy and drafts of constrained requests (on by default; needs the overlap scheduler off, as on CPU).
 """
 
@@ -35,7 +35,7 @@ SGLANG_SIGNALS = ("draft_entropy", "draft_margin")  # signals the worker compute
 DEFAULT_TASK = "mixed"
 
 
-def resolve_tree_set_path(adaptive_config: str | None) -> Path:
+def resolve_tree_set_path(adaptive_config: str | None, model_name: str = "entmtp-tiny") -> Path:
     env = os.environ.get(ENV_TREE_SET)
     if env:
         return Path(env)
@@ -47,7 +47,8 @@ def resolve_tree_set_path(adaptive_config: str | None) -> Path:
             is_tree_set = False
         if is_tree_set:
             return p
-    return shipped_tree_set(DEFAULT_DRAFTER, DEFAULT_TASK)
+    shipped = shipped_tree_set(DEFAULT_DRAFTER, DEFAULT_TASK, model_name)
+    return shipped if shipped.exists() else shipped_tree_set(DEFAULT_DRAFTER, DEFAULT_TASK)
 
 
 @dataclass(frozen=True)
@@ -69,8 +70,8 @@ class EntMtpConfig:
 
     @classmethod
     def from_server_args(cls, server_args) -> "EntMtpConfig":
-        path = resolve_tree_set_path(getattr(server_args, "speculative_adaptive_config", None))
         model = Path(str(server_args.model_path).rstrip("/")).name
+        path = resolve_tree_set_path(getattr(server_args, "speculative_adaptive_config", None), model)
         flag = os.environ.get(ENV_GRAMMAR_DRAFT, "1").strip().lower()
         if flag not in ("0", "1", "false", "true", "off", "on"):
             raise ValueError(f"{ENV_GRAMMAR_DRAFT} must be 0 or 1, got {flag!r}")

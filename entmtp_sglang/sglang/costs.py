@@ -33,9 +33,12 @@ from .config import ENV_TREE_SET, PIN_KEY, resolve_tree_set_path
 from .serve import SGLangServer
 
 
-def calibration_prompts(n: int) -> list[str]:
+def calibration_prompts(n: int, chat_template: str | None = None) -> list[str]:
+    """Calibration prompts as text (through the model's chat template, if it has one)."""
+    from ..tasks import prompt_text
+
     items = interleave(TASKS, "calib", max(1, n // len(TASKS) + 1))
-    return [it["prompt"][-600:] for it in items][:n]
+    return [prompt_text({**it, "prompt": it["prompt"][-600:]}, chat_template) for it in items][:n]
 
 
 def timed_batch(server: SGLangServer, prompts: list[str], tree: str, max_new: int) -> tuple[float, int]:
@@ -52,8 +55,8 @@ def timed_batch(server: SGLangServer, prompts: list[str], tree: str, max_new: in
 
 
 def measure(server: SGLangServer, names: list[str], batches: list[int], repeats: int, short: int, long: int,
-            progress=print) -> dict[str, dict[int, float]]:
-    prompts = calibration_prompts(max(batches))
+            progress=print, chat_template: str | None = None) -> dict[str, dict[int, float]]:
+    prompts = calibration_prompts(max(batches), chat_template)
     samples: dict[tuple[str, int], list[float]] = {(n, b): [] for n in names for b in batches}
     total, done = repeats * len(names) * len(batches), 0
     for rep in range(repeats):
@@ -82,8 +85,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--long", type=int, default=64, help="new tokens of the long run")
     ap.add_argument("--out", type=Path, default=None, help="where to write (default: overwrite --tree-set)")
     ap.add_argument("--log", type=Path, default=None, help="server log file")
+    ap.add_argument("--model", default=None,
+                    help="model directory or smollm2 (default: the bundled model); its ENTMTP set by default")
     args = ap.parse_args(argv)
-    path = args.tree_set or resolve_tree_set_path(None)
+    model = None
+    if args.model:
+        from ..model.prepare import resolve_alias
+
+        model = resolve_alias(args.model)
+    path = args.tree_set or resolve_tree_set_path(None, model.name if model else "entmtp-tiny")
     ts = load_tree_set(path)
     batches = sorted({int(b) for b in args.batches.split(",")})
     if not batches or min(batches) < 1 or args.long <= args.short:
@@ -92,10 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     print(f"measuring {len(names)} trees of {path} at batch {batches} in SGLang ...", flush=True)
     t0 = time.monotonic()
     server = SGLangServer.cpu("ENTMTP", env={ENV_TREE_SET: str(path)}, log_path=args.log,
-                              max_total_tokens=max(20000, 200 * max(batches) * 4))
+                              max_total_tokens=max(20000, 200 * max(batches) * 4),
+                              **({"model": model, "extra": ("--dtype", "float32")} if model else {}))
     with server:
+        template = model / "chat_template.jinja" if model else None
         costs = measure(server, names, batches, args.repeats, args.short, args.long,
-                        progress=lambda m: print(m, flush=True))
+                        progress=lambda m: print(m, flush=True),
+                        chat_template=template.read_text() if template and template.exists() else None)
     trees = tuple(dataclasses.replace(t, cost_seconds={b: round(c, 6) for b, c in costs[t.tree.name].items()})
                   for t in ts.trees)
     hardware = f"{ts.hardware.split(';')[0]}; step costs measured in SGLang (entmtp_sglang.sglang.costs)"

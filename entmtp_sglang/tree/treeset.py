@@ -122,6 +122,24 @@ def _need(obj: dict, key: str, kind, where: str):
     return value
 
 
+def _plain_entry(entries: list[TreeEntry], num_bins: int, provenance: dict) -> TreeEntry:
+    """chain:0 (no speculation) for a set file that lacks it: every set can back off to plain decoding.
+
+    Its cost comes from the set's recorded step-cost model (base + one node), else it is taken as the
+    cheapest tree's (so it wins only where drafting is expected to gain nothing)."""
+    costs: dict[int, float] = {}
+    model = provenance.get("step_cost_model") if isinstance(provenance, dict) else None
+    if isinstance(model, dict):
+        try:
+            costs = {int(b): float(m["base"]) + float(m["per_node"]) for b, m in model.items()}
+        except (KeyError, TypeError, ValueError):
+            costs = {}
+    if not costs or any(c <= 0 for c in costs.values()):
+        sizes = set().union(*(e.cost_seconds for e in entries))
+        costs = {b: min(e.cost(b) for e in entries) for b in sizes}
+    return TreeEntry(Tree.chain(0), (0.0,) * num_bins, costs)
+
+
 def from_json(data: dict, where: str = "tree set") -> TreeSet:
     if not isinstance(data, dict):
         raise TreeSetError(f"{where}: the top level must be a JSON object")
@@ -149,6 +167,8 @@ def from_json(data: dict, where: str = "tree set") -> TreeSet:
         entries.append(TreeEntry(tree, acc_t, cost))
     try:
         edges = tuple(float(e) for e in _need(data, "bin_edges", list, where))
+        if entries and not any(e.tree.parents == (-1,) for e in entries):
+            entries.insert(0, _plain_entry(entries, len(edges) + 1, data.get("provenance", {})))
         return TreeSet(
             model=_need(data, "model", str, where), drafter=_need(data, "drafter", str, where),
             task=_need(data, "task", str, where), signal=_need(data, "signal", str, where),
@@ -181,8 +201,9 @@ def load_tree_set(path: str | Path, model: str | None = None, drafter: str | Non
     return ts
 
 
-def shipped_tree_set(drafter: str, task: str) -> Path:
-    """Path of the tree set shipped in the package for (drafter, task)."""
+def shipped_tree_set(drafter: str, task: str, model: str = "entmtp-tiny") -> Path:
+    """Path of the tree set shipped in the package for (model, drafter, task); `model` is the model
+    directory's name (entmtp-tiny, smollm2-135m-instruct)."""
     from importlib import resources
 
-    return Path(str(resources.files("entmtp_sglang.trees") / f"entmtp-tiny-{drafter}-{task}.json"))
+    return Path(str(resources.files("entmtp_sglang.trees") / f"{model}-{drafter}-{task}.json"))
