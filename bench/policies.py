@@ -151,6 +151,9 @@ def main(argv=None) -> int:
     ap.add_argument("--combine", type=Path, nargs="+", metavar="JSONL",
                     help="run nothing: write --out (.jsonl and .md) from the rows of earlier runs (e.g. one "
                          "run per drafter)")
+    ap.add_argument("--policies", default=None,
+                    help="comma-separated subset of plain, default-static, static-best, adaptive-ema, eagle2, entmtp, "
+                         "oracle (default: all)")
     ap.add_argument("--quick", action="store_true",
                     help="a few minutes: 2 prompts per task, 48 new tokens, 2 repeats (noisier; for a smoke check)")
     args = ap.parse_args(argv)
@@ -256,6 +259,9 @@ def main(argv=None) -> int:
                 "entmtp": lambda k: EntMTPPolicy(ts),
                 "oracle": oracle,
             }
+            if args.policies:
+                keep = set(args.policies.split(","))
+                policies = {k: v for k, v in policies.items() if k in keep}
             if args.signal_ablation and sets[task].signal != "draft_entropy":
                 path = ROOT / "trees" / f"{name}-{drafter}-{set_name[task]}.records.jsonl"
                 shipped = sets[task]
@@ -288,6 +294,8 @@ def main(argv=None) -> int:
                 rows.append(row)
                 print(f"{drafter:7s} {task:6s} {pol:15s} {row['tokens_per_s']:7.1f} tok/s  "
                       f"accepted {row['mean_accepted']:.2f}", flush=True)
+        with open(args.out.with_suffix(".partial.jsonl"), "w") as f:  # what is done so far, per drafter
+            f.writelines(json.dumps(r) + "\n" for r in rows)
     write(rows, args.out)
     return 0
 
@@ -362,7 +370,7 @@ def goals_line(rows: list[dict]) -> str:
         cells.setdefault((r["drafter"], r["task"]), {})[r["policy"]] = r
     v = {k: {p: r["tokens_per_s"] for p, r in c.items()} for k, c in cells.items()}
     n = len(v)
-    over = lambda a, b, x: sum(c["entmtp"] >= x * c[b] for c in v.values())  # noqa: E731
+    over = lambda a, b, x: sum(b in c and c["entmtp"] >= x * c[b] for c in v.values())  # noqa: E731
     head = sum(c["oracle"] > c["static-best"] and
                (c["entmtp"] - c["static-best"]) >= 0.5 * (c["oracle"] - c["static-best"]) for c in v.values())
     mixed = ", ".join(f"{d} {c['entmtp'] / c['static-best']:.2f}x" for (d, t), c in sorted(v.items()) if t == "mixed")
