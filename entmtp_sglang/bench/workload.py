@@ -80,6 +80,10 @@ def build_streams(task: str, n: int, tokenizer, context_tokens: int, max_new_tok
     last tokens: as many as fit the context, or `max_prompt_tokens` if smaller (0: no cap)."""
     if task not in TASKS:
         raise ValueError(f"unknown task {task!r}; choose from {', '.join(TASKS)}")
+    if not hasattr(tokenizer, "item_ids"):  # a bare tokenizers.Tokenizer: prompts as written, no template
+        from ..model.load import PromptTokenizer
+
+        tokenizer = PromptTokenizer(tokenizer)
     keep = room(context_tokens, max_new_tokens)
     if max_prompt_tokens > 0:
         keep = min(keep, max_prompt_tokens)
