@@ -107,7 +107,7 @@ class ServerPool:
         t0 = time.perf_counter()
         try:
             for spec in todo:
-                srv = self.servers[spec.name] = spec.server(self.log_dir, self.device_args, self.model).start(wait=False)
+                srv = self.servers[spec.name] = spec.server(self.log_dir, self.device_args, *((self.model,) if self.model else ())).start(wait=False)
                 proc = getattr(srv, "proc", None)
                 self.started.append((spec.name, proc.pid if proc is not None else -1, getattr(srv, "port", -1)))
             for spec in todo:
