@@ -12,17 +12,19 @@ def tree_ancestor_mask_torch(parents: torch.Tensor, num_nodes: torch.Tensor) -> 
     check_tree_args(parents, num_nodes)
     b, n = parents.shape
     dev = parents.device
-    idx = torch.arange(n, device=dev)  # (N,)
-    valid = idx[None, :] < num_nodes[:, None]  # (B, N)
-    par = torch.where(valid, parents.long(), 0).clamp(min=0)  # (B, N); root and padding -> 0 (unused)
-    mask = torch.eye(n, dtype=torch.bool, device=dev).repeat(b, 1, 1)  # (B, N, N)
-    depths = torch.zeros(b, n, dtype=torch.int64, device=dev)  # (B, N)
-    rows = torch.arange(b, device=dev)  # (B,)
-    for i in range(1, n):  # parents[i] < i: the parent's row is final before row i is built
-        p = par[:, i]  # (B,)
-        ok = valid[:, i]  # (B,)
-        mask[:, i] |= mask[rows, p] & ok[:, None]
-        depths[:, i] = torch.where(ok, depths[rows, p] + 1, 0)
+    node = torch.arange(n, device=dev).expand(b, n)  # (B, N)
+    valid = node < num_nodes[:, None]  # (B, N)
+    par = torch.where(valid, parents.long(), 0).clamp(min=0)  # (B, N); root and padding -> 0
+    mask = torch.zeros(b, n, n, dtype=torch.bool, device=dev)  # (B, N, N)
+    cur = torch.where(valid, node, 0)  # (B, N) every node walks up to the root, all one step at a time
+    for _ in range(n - 1):  # max-depth steps; the bound only guards against malformed (cyclic) input
+        if not bool(cur.any()):
+            break
+        cur = par.gather(1, cur)
+        mask.scatter_(2, cur.unsqueeze(2), True)  # padding rows get the root too: cleared below
+    mask &= valid[:, :, None]
+    mask |= torch.eye(n, dtype=torch.bool, device=dev)
+    depths = mask.sum(2) - 1  # (B, N) int64: ancestors, self excluded
     return mask, depths
 
 

@@ -34,19 +34,17 @@ def verify_tree_greedy_torch(
     par = torch.where(valid, parents.long(), 0).clamp(min=0)  # (B, N)
     wanted = target_argmax.long().gather(1, par)  # (B, N): target's token after each node's parent
     match = valid & (idx[None, :] >= 1) & (draft_tokens.long() == wanted)  # (B, N)
-    cur = torch.zeros(b, dtype=torch.int64, device=dev)  # (B,) last accepted node
-    accept_len = torch.zeros(b, dtype=torch.int64, device=dev)  # (B,)
-    accepted = torch.full((b, n), -1, dtype=torch.int64, device=dev)  # (B, N)
-    accepted[:, :1] = 0
-    for step in range(1, n):
-        cand = match & (par == cur[:, None])  # (B, N) matching children of cur
-        found = cand.any(dim=1)  # (B,); once False it stays False (cur no longer moves)
-        if not bool(found.any()):
-            break
-        nxt = cand.to(torch.int8).argmax(dim=1)  # (B,) lowest matching index (argmax returns the first max)
-        cur = torch.where(found, nxt, cur)
-        accepted[:, step] = torch.where(found, nxt, -1)
-        accept_len += found.long()
+    kids = match[:, None, :] & (par[:, None, :] == idx[None, :, None])  # (B, N, N): [b, p, v] matching child v of p
+    first = torch.where(kids.any(2), kids.to(torch.int8).argmax(2), -1)  # (B, N) lowest matching child, -1: none
+    paths = []
+    for row in first.tolist():  # descend from the root; at most N - 1 steps (guards against malformed input)
+        path = [0]
+        while len(path) < n and row[path[-1]] >= 0:
+            path.append(row[path[-1]])
+        paths.append(path)
+    accept_len = torch.tensor([len(p) - 1 for p in paths], dtype=torch.int64, device=dev)  # (B,)
+    accepted = torch.tensor([p + [-1] * (n - len(p)) for p in paths], dtype=torch.int64, device=dev).view(b, n)
+    cur = torch.tensor([p[-1] for p in paths], dtype=torch.int64, device=dev)  # (B,) last accepted node
     bonus = target_argmax.long().gather(1, cur[:, None])[:, 0]  # (B,)
     return accept_len, accepted, bonus
 
@@ -60,10 +58,10 @@ def verify_tree_greedy(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Longest root path of drafted tokens that the target's greedy (argmax) choices agree with.
 
-    ``parents``: (B, N) int, node 0 the root (parent -1), ``parents[b, i] < i``; nodes
-    ``i >= num_nodes[b]`` (``num_nodes[b] >= 1``) are padding. ``draft_tokens``, ``target_argmax``:
-    (B, N) int, ``target_argmax[b, v]`` the target's token after node ``v``. Returns
-    ``accept_len`` (B,), ``accepted_nodes`` (B, N), ``bonus`` (B,), all int64::
+    ``parents``: (B, N) int, node 0 the root (parent -1), ``parents[b, i] < i`` (or ``i`` itself: a node
+    linked to no parent, never accepted); nodes ``i >= num_nodes[b]`` (``num_nodes[b] >= 1``) are padding.
+    ``draft_tokens``, ``target_argmax``: (B, N) int, ``target_argmax[b, v]`` the target's token after node
+    ``v``. Returns ``accept_len`` (B,), ``accepted_nodes`` (B, N), ``bonus`` (B,), all int64::
 
         for b:
             cur, path = 0, [0]

@@ -341,6 +341,19 @@ def test_verify_triton_vs_torch_small() -> None:
     check_verify_backends(parents.to(DEVICE), num_nodes.to(DEVICE), draft.to(DEVICE), wide.to(DEVICE))
 
 
+@pytest.mark.parametrize("backend", ["torch", pytest.param("triton", marks=needs_triton)])
+def test_verify_self_parented_node_is_never_accepted(backend: str) -> None:
+    # V_PARENTS with node 4 linked to no parent (its own parent): the path stops at 1, and node 6
+    # (a child of 4) is unreachable too. This is how verify_tree_greedy_cpu marks unlinked nodes.
+    parents = torch.tensor([V_PARENTS])
+    parents[0, 4] = 4
+    args = [t.to(DEVICE) for t in (parents, torch.tensor([7]), torch.tensor([V_DRAFT]), torch.tensor([V_TARGET]))]
+    accept_len, accepted, bonus = verify_tree_greedy(*args, backend=backend)
+    assert accept_len.cpu().tolist() == [1]
+    assert accepted.cpu().tolist() == [[0, 1, -1, -1, -1, -1, -1]]
+    assert bonus.cpu().tolist() == [13]
+
+
 @needs_triton
 @pytest.mark.slow
 def test_verify_triton_vs_torch_sweep() -> None:

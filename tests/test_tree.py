@@ -396,3 +396,57 @@ def test_from_sglang_errors(args, match):
 def test_from_sglang_bad_decay():
     with pytest.raises(TreeError, match="decay"):
         from_sglang(2, 2, 4, decay=1.5)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One ancestor mask (`kernels.tree_ancestor_mask`) behind build_buffers, pad_trees, verify_plan and the SGLang
+# CPU op build_tree_kernel_efficient_cpu
+# ----------------------------------------------------------------------------------------------------------
+@PROPS
+@given(st.lists(parent_arrays(max_nodes=12), min_size=1, max_size=4))
+def test_pad_trees_ancestors_are_each_trees_mask_padded_with_self(arrays):
+    from entmtp_sglang.engine.batch_tree import pad_trees
+
+    trees = [Tree(p) for p in arrays]
+    padded = pad_trees(trees)
+    n = padded.num_nodes
+    for i, t in enumerate(trees):
+        want = torch.eye(n, dtype=torch.bool)
+        want[: t.num_nodes, : t.num_nodes] = _bool_mask([_ancestors_or_self(t.parents, j) for j in range(t.num_nodes)])
+        assert torch.equal(padded.ancestors[i], want)
+        assert padded.depths[i, : t.num_nodes].tolist() == list(t.depths)
+
+
+def test_verify_plan_without_tree_mask_sees_a_chain():
+    from entmtp_sglang.sglang.gather import verify_plan
+
+    n, seq = 4, torch.tensor([2, 0])
+    r2t = torch.arange(20).view(2, 10)
+    plan = verify_plan(r2t, torch.tensor([0, 1]), seq, n, None)
+    for b, s in enumerate(seq.tolist()):
+        drafts = plan.mask[b, :, s : s + n]
+        assert torch.equal(drafts, torch.tril(torch.ones(n, n, dtype=torch.bool)))
+        assert bool(plan.mask[b, :, :s].all())
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+def test_sglang_build_tree_mask_and_positions(mode):
+    from entmtp_sglang.sglang.cpu_ops import build_tree_kernel_efficient_cpu
+
+    # Two requests: a small tree (topk=2, depth=3), and a tree whose node 2 is an orphan (its parent
+    # candidate was not selected): it sees the root and itself, and its child node 3 sees 0, 2, 3.
+    cases = [
+        ([[-1, 0, 1, 3, 4]], [[0, 1, 3, 4, 6]], 2, 3, 6,
+         [{0}, {0, 1}, {0, 2}, {0, 1, 3}, {0, 2, 4}, {0, 1, 3, 5}], [0, 1, 1, 2, 2, 3]),
+        ([[-1, 0, 1, 3, 4]], [[0, 4, 8]], 2, 3, 4, [{0}, {0, 1}, {0, 2}, {0, 2, 3}], [0, 1, 1, 2]),
+    ]
+    for parent_list, selected, topk, depth, n, rows, depths in cases:
+        seq = 3
+        mask = torch.ones(n * n + (seq * n if mode == 0 else 0), dtype=torch.bool)
+        positions = torch.empty(n, dtype=torch.long)
+        links = torch.full((3, 1, n), -1, dtype=torch.long)
+        build_tree_kernel_efficient_cpu(torch.tensor(parent_list), torch.tensor(selected), torch.tensor([seq]), mask,
+                                        positions, links[0], links[1], links[2], topk, depth, n, mode)
+        drafts = mask.view(n, n) if mode == 1 else mask.view(n, seq + n)[:, seq:]
+        assert torch.equal(drafts, _bool_mask(rows))
+        assert positions.tolist() == [seq + d for d in depths]

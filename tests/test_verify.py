@@ -7,7 +7,7 @@ import torch
 
 from entmtp_sglang.engine.sampling import SamplingParams, entropy_nats, probs_from_logits
 from entmtp_sglang.engine.verify import verify_greedy, verify_node_sampling, verify_sampling
-from entmtp_sglang.tree import Tree
+from entmtp_sglang.tree import Tree, build_buffers
 
 #        0 (root, token 7)
 #       / \
@@ -149,3 +149,101 @@ def test_entropy_nats_matches_categorical_and_handles_masks():
     one = torch.full((1, 11), float("-inf"))
     one[0, 4] = 0.0
     assert entropy_nats(one).item() == 0.0
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One greedy verifier (`kernels.verify_tree_greedy`) behind the engine's `verify_greedy` and the SGLang CPU op
+# ----------------------------------------------------------------------------------------------------------
+def _plain_walk(tree: Tree, tokens, argmax):
+    """The engine's former pure-python walk: first matching child in index order."""
+    path, node = [0], 0
+    while True:
+        nxt = next((c for c in tree.children[node] if tokens[c] == argmax[node]), None)
+        if nxt is None:
+            return tuple(path), argmax[node]
+        path.append(nxt)
+        node = nxt
+
+
+def _linked_list_walk(candidates, ridx, first_child, sibling, target, num_spec_step):
+    """verify_tree_greedy_cpu's former linked-list walk: (predicts, accept_index, accept_token_num)."""
+    bs, n = len(candidates), len(candidates[0])
+    predicts, accept_index, num = [0] * (bs * n), [[-1] * num_spec_step for _ in range(bs)], []
+    for b in range(bs):
+        last, path, cur = ridx[b][0], [ridx[b][0]], 0
+        for _ in range(1, num_spec_step):
+            cur = first_child[b][cur]
+            while cur != -1:
+                if candidates[b][cur] == target[last]:
+                    predicts[last] = target[last]
+                    last = ridx[b][cur]
+                    path.append(last)
+                    break
+                cur = sibling[b][cur]
+            if cur == -1:
+                break
+        predicts[last] = target[last]
+        accept_index[b][: len(path)] = path
+        num.append(len(path) - 1)
+    return predicts, accept_index, num
+
+
+def _random_tree(gen: torch.Generator, n: int) -> Tree:
+    return Tree(tuple([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)]))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_greedy_matches_plain_walk_on_random_trees(seed):
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(25):
+        tree = _random_tree(gen, int(torch.randint(1, 24, (1,), generator=gen)))
+        n = tree.num_nodes
+        tokens = torch.randint(0, 3, (n,), generator=gen).tolist()  # 3 tokens: many matches, duplicate siblings
+        argmax = torch.randint(-1, 3, (n + 2,), generator=gen).tolist()  # -1 = NO_TOKEN; padded past n
+        acc = verify_greedy(tree, tokens, argmax)
+        assert (acc.nodes, acc.next_token) == _plain_walk(tree, tokens, argmax)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sglang_cpu_op_matches_linked_list_walk(seed):
+    from entmtp_sglang.sglang.cpu_ops import verify_tree_greedy_cpu
+
+    gen = torch.Generator().manual_seed(100 + seed)
+    bs, n = 3, int(torch.randint(1, 16, (1,), generator=gen))
+    trees = [_random_tree(gen, n) for _ in range(bs)]
+    first_child = torch.stack([build_buffers(t).retrieve_next_token for t in trees])  # (bs, n)
+    sibling = torch.stack([build_buffers(t).retrieve_next_sibling for t in trees])
+    if n > 2:  # unlink node k of request 0 from its parent's list: k and its subtree become unreachable
+        k, p = n - 1, trees[0].parents[n - 1]
+        kids = [c for c in trees[0].children[p] if c != k]
+        first_child[0, p] = kids[0] if kids else -1
+        for a, b in zip(kids, kids[1:] + [-1]):
+            sibling[0, a] = b
+        sibling[0, k] = -1
+    ridx = torch.arange(bs * n).view(bs, n)
+    for num_spec_step in range(1, max(t.max_depth for t in trees) + 2):
+        for _ in range(5):
+            candidates = torch.randint(0, 2, (bs, n), generator=gen)
+            target = torch.randint(0, 2, (bs, n), generator=gen)
+            predicts = torch.zeros(bs * n, dtype=torch.int32)
+            accept_index = torch.full((bs, num_spec_step), -1, dtype=torch.int32)
+            accept_token_num = torch.empty(bs, dtype=torch.int32)
+            verify_tree_greedy_cpu(predicts=predicts, accept_index=accept_index, accept_token_num=accept_token_num,
+                                   candidates=candidates, retrive_index=ridx, retrive_next_token=first_child,
+                                   retrive_next_sibling=sibling, target_predict=target)
+            want = _linked_list_walk(candidates.tolist(), ridx.tolist(), first_child.tolist(), sibling.tolist(),
+                                     target.view(-1).tolist(), num_spec_step)
+            assert (predicts.tolist(), accept_index.tolist(), accept_token_num.tolist()) == want
+
+
+def test_sglang_cpu_op_rejects_descending_sibling_lists():
+    from entmtp_sglang.sglang.cpu_ops import verify_tree_greedy_cpu
+
+    # root's children 1 and 2 listed as 2 -> 1: the shared verifier would pick 1 where the list walk picks 2
+    z = torch.zeros(1, 3, dtype=torch.int64)
+    with pytest.raises(ValueError, match="ascending"):
+        verify_tree_greedy_cpu(predicts=z.view(-1).int(), accept_index=torch.full((1, 2), -1, dtype=torch.int32),
+                               accept_token_num=torch.empty(1, dtype=torch.int32), candidates=z,
+                               retrive_index=torch.arange(3).view(1, 3),
+                               retrive_next_token=torch.tensor([[2, -1, -1]]),
+                               retrive_next_sibling=torch.tensor([[-1, -1, 1]]), target_predict=z)

@@ -7,6 +7,7 @@ from functools import lru_cache
 
 import torch
 
+from ..kernels import tree_ancestor_mask
 from ..tree import Tree, build_buffers
 
 
@@ -56,7 +57,6 @@ def pad_trees(trees: list[Tree]) -> PaddedTrees:
     ranks = torch.zeros((b, n), dtype=torch.int64)
     valid = torch.zeros((b, n), dtype=torch.bool)
     has_children = torch.zeros((b, n), dtype=torch.bool)
-    anc = torch.eye(n, dtype=torch.bool).repeat(b, 1, 1)
     for i, t in enumerate(trees):
         buf = _buffers(t)
         k = t.num_nodes
@@ -65,7 +65,7 @@ def pad_trees(trees: list[Tree]) -> PaddedTrees:
         ranks[i, :k] = buf.sibling_rank
         valid[i, :k] = True
         has_children[i, :k] = buf.retrieve_next_token >= 0
-        anc[i, :k, :k] = buf.ancestor_mask
+    anc, _ = tree_ancestor_mask(parents, valid.sum(1))  # padding nodes see only themselves
     return PaddedTrees(tuple(trees), parents, depths, ranks, valid, has_children, anc)
 
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels import verify_tree_greedy
 from ..tree import Tree
 
 NO_TOKEN = -1  # next_token when the target allows no token after the path (a grammar dead end or stop)
@@ -33,18 +34,17 @@ def verify_greedy(tree: Tree, tokens: list[int], target_argmax: list[int]) -> Ac
     A node whose argmax is NO_TOKEN (nothing allowed there) ends the path without a next token.
 
         node = 0
-        while some child c of node has tokens[c] == target_argmax[node]: node = c
+        while some child c of node has tokens[c] == target_argmax[node]: node = c   # the lowest such c
         next_token = target_argmax[node]
+
+    One tree of the batched `kernels.verify_tree_greedy` (children are numbered in rank order, so the
+    lowest matching child is the first in `tree.children`).
     """
-    path = [0]
-    node = 0
-    while True:
-        want = target_argmax[node]
-        nxt = next((c for c in tree.children[node] if tokens[c] == want), None)
-        if nxt is None:
-            return Accepted(tuple(path), int(want))
-        path.append(nxt)
-        node = nxt
+    n = tree.num_nodes
+    as_t = lambda x: torch.tensor([x], dtype=torch.int64)  # noqa: E731
+    accept_len, nodes, next_token = verify_tree_greedy(
+        as_t(tree.parents), as_t(n), as_t(tokens[:n]), as_t(target_argmax[:n]))
+    return Accepted(tuple(nodes[0, : int(accept_len[0]) + 1].tolist()), int(next_token[0]))
 
 
 def verify_node_sampling(p: torch.Tensor, candidates: list[int], q: list[torch.Tensor | None],

@@ -39,6 +39,8 @@ import types
 
 import torch
 
+from ..kernels import tree_ancestor_mask, verify_tree_greedy
+
 logger = logging.getLogger(__name__)
 
 __all__ = [
@@ -379,19 +381,16 @@ def build_tree_kernel_efficient_cpu(
     later = node.view(1, 1, n) > node.view(1, n, 1)
     next_sibling = _first_true(same_parent & later)
 
-    # Ancestor walk: from node i, mark and step to the parent, at most `depth` times; stop after a
-    # child of the root or an orphan (exactly the bounded walk of the C++ and Triton kernels).
-    anc = torch.zeros(bs, n, n, dtype=torch.bool, device=device)
-    anc[:, :, 0] = True
-    steps = torch.zeros(bs, n, dtype=torch.long, device=device)
-    cur = node.expand(bs, n).clone()
-    active = node.expand(bs, n) > 0
-    for _ in range(depth):
-        anc.scatter_(2, torch.where(active, cur, 0).unsqueeze(2), True)
-        steps += active
-        up = parents.gather(1, cur)
-        active = active & (up > 0)
-        cur = torch.where(active, up, cur)
+    # Ancestor mask and depths. The C++ and Triton kernels walk up from node i at most `depth` times and
+    # stop after a child of the root or an orphan; an orphan sees the root and itself. SGLang's draft
+    # numbers parents before children and is at most `depth` deep, so that bounded walk is the full
+    # ancestor walk with each orphan hung under the root.
+    if bool((parents >= node).any()):
+        raise ValueError("build_tree_kernel_efficient_cpu: a draft node's parent comes after it (selected_index "
+                         "must be sorted ascending, as SGLang sorts it)")
+    anc, steps = tree_ancestor_mask(torch.where(parents == -2, 0, parents), torch.full((bs,), n, device=device))
+    if bool((steps > depth).any()):
+        raise ValueError(f"build_tree_kernel_efficient_cpu: the draft tree is deeper than depth={depth}")
 
     retrive_index.copy_((torch.arange(bs, device=device).view(bs, 1) * n + node).view(retrive_index.shape))
     retrive_next_token.copy_(next_token.view(retrive_next_token.shape))
@@ -470,6 +469,8 @@ def verify_tree_greedy_cpu(
     (sglang/srt/speculative/eagle_utils.py:641-652), which on CPU always takes this greedy path.
     Mirrors the Triton kernel `verify_tree_greedy_kernel_triton` (spec_tree.py:210-315) and the CUDA
     kernel `VerifyTreeGreedy` (kernels/jit/include/sgl_kernel/speculative/eagle.cuh:214-256).
+    The walk itself is `entmtp_sglang.kernels.verify_tree_greedy`, run on the parent array read off the
+    linked lists (see `_parents_from_links`) and cut to num_spec_step - 1 accepted drafts.
     """
     bs, n = candidates.shape
     num_spec_step = accept_index.shape[1]
@@ -480,46 +481,45 @@ def verify_tree_greedy_cpu(
         _check_numel(name, t, bs * n)
     if bs == 0:
         return
-    cand = candidates.tolist()
-    ridx = retrive_index.reshape(bs, n).tolist()
-    first_child = retrive_next_token.reshape(bs, n).tolist()
-    sibling = retrive_next_sibling.reshape(bs, n).tolist()
-    target = target_predict.reshape(-1).tolist()
-
-    predict_at: dict[int, int] = {}
-    accept_rows: list[int] = []
-    accept_cols: list[int] = []
-    accept_vals: list[int] = []
-    num_accepted: list[int] = []
-    for b in range(bs):
-        last = ridx[b][0]
-        path = [last]
-        cur = 0
-        for _ in range(1, num_spec_step):
-            cur = first_child[b][cur]
-            while cur != -1:
-                if cand[b][cur] == target[last]:
-                    predict_at[last] = target[last]
-                    last = ridx[b][cur]
-                    path.append(last)
-                    break
-                cur = sibling[b][cur]
-            if cur == -1:
-                break
-        predict_at[last] = target[last]
-        num_accepted.append(len(path) - 1)
-        accept_rows += [b] * len(path)
-        accept_cols += range(len(path))
-        accept_vals += path
-
     device = candidates.device
-    flat_pred = _flat(predicts)
-    idx = torch.tensor(list(predict_at.keys()), dtype=torch.long, device=device)
-    flat_pred[idx] = torch.tensor(list(predict_at.values()), dtype=predicts.dtype, device=device)
-    accept_index[torch.tensor(accept_rows, device=device), torch.tensor(accept_cols, device=device)] = (
-        torch.tensor(accept_vals, dtype=accept_index.dtype, device=device))
-    accept_token_num.copy_(torch.tensor(num_accepted, dtype=accept_token_num.dtype, device=device)
-                           .view(accept_token_num.shape))
+    node = torch.arange(n, device=device)
+    ridx = _as_long(retrive_index.reshape(bs, n))
+    target = target_predict.reshape(-1)
+    parents = _parents_from_links(_as_long(retrive_next_token.reshape(bs, n)),
+                                  _as_long(retrive_next_sibling.reshape(bs, n)))
+    target_at = target[ridx.clamp(0, target.numel() - 1)]  # (bs, n): the target's token after each node
+    accept_len, nodes, _ = verify_tree_greedy(parents, torch.full((bs,), n, device=device), candidates, target_at)
+    accept_len = accept_len.clamp(max=num_spec_step - 1)
+    rows, cols = ((node <= accept_len[:, None]) & (nodes >= 0)).nonzero(as_tuple=True)  # the accepted paths
+    path = ridx[rows, nodes[rows, cols]]  # flat index of each accepted node, the root included
+    _flat(predicts)[path] = target[path].to(predicts.dtype)
+    accept_index[rows, cols] = path.to(accept_index.dtype)
+    accept_token_num.copy_(accept_len.view(accept_token_num.shape).to(accept_token_num.dtype))
+
+
+def _parents_from_links(first_child: torch.Tensor, next_sibling: torch.Tensor) -> torch.Tensor:
+    """(bs, n) parent array of the trees the linked lists describe, for `verify_tree_greedy`.
+
+    A node that no list reaches is its own parent, so verification never accepts it. The verifier
+    takes the lowest-numbered matching child, the linked-list walk the first matching one in list
+    order: the same node when siblings are listed in ascending order, as both SGLang's kernels and
+    `build_tree_kernel_efficient_cpu` list them; other orders are rejected.
+    """
+    bs, n = first_child.shape
+    node = torch.arange(n, device=first_child.device).expand(bs, n)
+    if bool(((next_sibling >= 0) & (next_sibling <= node)).any()):
+        raise ValueError("verify_tree_greedy_cpu: retrive_next_sibling must list siblings in ascending node order")
+    parents = node.clone()
+    link = first_child  # (bs, n): the k-th child of every node, k = 0, 1, ... (-1: none)
+    for _ in range(n):
+        linked = (link >= 0) & (link < n)
+        if not bool(linked.any()):
+            break
+        b, p = linked.nonzero(as_tuple=True)
+        parents[b, link[b, p]] = p
+        link = torch.where(linked, next_sibling.gather(1, link.clamp(0, n - 1)), -1)
+    parents[:, 0] = -1
+    return parents
 
 
 # ------------------------------------------------------------------------------------------------

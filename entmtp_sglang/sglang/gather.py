@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
+from ..kernels import tree_ancestor_mask
+
 
 class _Plan:
     """Per-forward gather plan: query rows x keys, shared by every layer of one forward."""
@@ -55,8 +57,9 @@ def verify_plan(req_to_token, req_pool_indices, seq_lens, n: int, custom_mask: t
     kv_idx, kv_valid = _ragged_rows(req_to_token, req_pool_indices, seq_lens + n)
     L = kv_idx.shape[1]
     dev = seq_lens.device
-    if custom_mask is None or custom_mask.numel() == 0:
-        tree = torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev)).expand(bs, n, n)
+    if custom_mask is None or custom_mask.numel() == 0:  # no tree mask: the drafts form a chain
+        chain = torch.arange(-1, n - 1, device=dev)[None]  # (1, n) parents
+        tree = tree_ancestor_mask(chain, torch.tensor([n], device=dev))[0].expand(bs, n, n)
     else:
         tree = custom_mask[: bs * n * n].view(bs, n, n).bool()
     k_pos = torch.arange(L, device=dev)

@@ -19,6 +19,8 @@ from functools import cached_property
 
 import torch
 
+from ..kernels import tree_ancestor_mask
+
 
 class TreeError(ValueError):
     """A tree that is not a valid parent array; the message names the offending node."""
@@ -163,10 +165,8 @@ class TreeBuffers:
 
 def build_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
     n = tree.num_nodes
-    mask = torch.zeros(n, n, dtype=torch.bool)
-    for i in range(n):
-        for j in tree.path_to(i):
-            mask[i, j] = True
+    as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    mask, _ = tree_ancestor_mask(as_t([tree.parents]), as_t([n]))  # (1, N, N): Triton on CUDA, else torch
     paths = torch.full((len(tree.leaves), tree.max_depth + 1), -1, dtype=torch.int64)
     for li, leaf in enumerate(tree.leaves):
         p = tree.path_to(leaf)
@@ -178,12 +178,11 @@ def build_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers
             next_token[i] = kids[0]
         for a, b in zip(kids, kids[1:]):
             next_sibling[a] = b
-    as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
     return TreeBuffers(
         parents=as_t(tree.parents),
         positions=as_t(tree.depths),
         sibling_rank=as_t(tree.sibling_rank),
-        ancestor_mask=mask.to(device),
+        ancestor_mask=mask[0],
         retrieve_paths=paths.to(device),
         retrieve_next_token=next_token.to(device),
         retrieve_next_sibling=next_sibling.to(device),
