@@ -47,8 +47,11 @@ demo: $(STAMP)
 	$(BIN)/entmtp generate --model smollm2 --drafter eagle --tree-set code --max-new-tokens 96 \
 	    --prompt 'Write a Python function that returns the n-th Fibonacci number.'
 
-test: $(STAMP) $(SGL_STAMP)
+test: $(STAMP) $(SGL_STAMP) lint
 	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
@@ -91,4 +94,4 @@ trees-smollm2: $(STAMP)
 bench-policies: $(STAMP)
 	$(BIN)/python bench/policies.py
 
-.PHONY: install sglang serve demo test test-slow model trees bench-policies model-prepare drafters trees-smollm2
+.PHONY: install sglang serve demo test lint test-slow model trees bench-policies model-prepare drafters trees-smollm2

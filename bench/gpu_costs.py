@@ -254,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
                         stopped = True
                         break
                     run({"model": name, "what": TARGET, "attention": attention, "batch": b, "nodes": n},
-                        lambda: measure_target(model, shape, b, n, args.context, attention, timer, gen, cache))
+                        lambda m=model, a=attention, c=cache, b=b, n=n: measure_target(m, shape, b, n, args.context, a,
+                                                                                       timer, gen, c))
             del cache
         head = model.lm_head_weight
         for kind in drafters:
@@ -277,8 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                         break
                     run({"model": name, "what": DRAFTER_LEVEL, "drafter": kind, "attention": attention, "batch": b,
                          "width": w},
-                        lambda: measure_level(kind, drafter, head, b, w, args.context, timer, gen, cache,
-                                              shape.hidden_size))
+                        lambda k=kind, d=drafter, h=head, c=cache, b=b, w=w: measure_level(
+                            k, d, h, b, w, args.context, timer, gen, c, shape.hidden_size))
                 del cache
             del drafter
         del model, head

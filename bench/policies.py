@@ -8,10 +8,12 @@ with a chat template) the json task decodes under each prompt's JSON schema, wit
 the drafter's `json-grammar` tree set.
 
 Policies: the drafter's default static tree (built the Medusa/Hydra way from per-head top-k accuracies
-on the calibration mix), static-best (the best single tree, chosen in hindsight per task: the four best
-trees by replaying the recorded test positions, plus the default, each measured once; the fastest is
-kept and then measured again with the others), SGLang's adaptive EMA rule, EAGLE-2 style (a wide
-48-node draft pruned to the default tree's node count by draft confidence), EntMTP, and the oracle (the
+on the calibration mix), static-best (the best single tree, chosen in hindsight per task: the best
+trees by replaying the recorded test positions (--shortlist, 4), plus the default, each measured once; the
+fastest is kept and then measured again with the others), SGLang's adaptive EMA rule, EAGLE-2 style (a wide
+48-node draft pruned to the default tree's node count by draft confidence), EntMTP (entmtp: signal bins;
+entmtp-predictor: the per-node acceptance predictor), entmtp-paper (the paper's rule: a sliding window of
+target entropy picks the bin), and the oracle (the
 best tree of the set at every step, in hindsight).
 Tokens/s are measured side by side: in each repeat every stream runs under every policy in turn, so slow
 drifts of the shared machine hit all policies alike; the median over repeats is reported. The mixed
@@ -32,12 +34,29 @@ from pathlib import Path
 import torch
 
 from entmtp_sglang.bench.reference import EAGLE2_WIDE_NODES, NoDrafter
-from entmtp_sglang.calibrate import (CalibrationConfig, PositionRecord, build_tree_set, cost_models_of,
-                                     fit_step_cost, load_records, measure_step_costs, record_positions, simulate)
+from entmtp_sglang.calibrate import (
+    CalibrationConfig,
+    PositionRecord,
+    build_tree_set,
+    cost_models_of,
+    fit_step_cost,
+    load_records,
+    measure_step_costs,
+    paper_tree_set,
+    record_positions,
+    simulate,
+)
 from entmtp_sglang.engine.engine import Engine
 from entmtp_sglang.model.load import load_bundle
-from entmtp_sglang.policy.policies import (HYSTERESIS, AdaptiveEMAPolicy, Eagle2Policy, EntMTPPolicy, OraclePolicy,
-                                           StaticPolicy)
+from entmtp_sglang.policy.policies import (
+    HYSTERESIS,
+    AdaptiveEMAPolicy,
+    Eagle2Policy,
+    EntMTPPolicy,
+    OraclePolicy,
+    StaticPolicy,
+    entmtp_policy,
+)
 from entmtp_sglang.tasks import load_prompts
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.construct import accepted_on, independent_tree
@@ -58,12 +77,10 @@ def head_accuracy(records: list[PositionRecord], max_rank: int) -> list[list[flo
     return acc
 
 
-def with_costs(ts: TreeSet, cost, add_plain: bool = True) -> TreeSet:
-    """The tree set with every tree's batch-1 cost taken from `cost` (a model fitted on this machine now),
-    and "no speculation" (chain:0, nothing accepted) added when missing, as `entmtp bench` does."""
-    entries = list(ts.trees)
-    if add_plain and not any(e.tree.num_nodes == 1 for e in entries):
-        entries.insert(0, TreeEntry(Tree.chain(0), (0.0,) * ts.num_bins, {1: 1.0}))
+def with_costs(ts: TreeSet, cost, without_plain: bool = False) -> TreeSet:
+    """The tree set with every tree's batch-1 cost taken from `cost` (a model fitted on this machine now);
+    chain:0 (no speculation) is in every loaded set, and `without_plain` takes it out (the ablation)."""
+    entries = [e for e in ts.trees if not (without_plain and e.tree.num_nodes == 1)]
     return dataclasses.replace(ts, trees=tuple(TreeEntry(e.tree, e.expected_accepted, {1: cost(e.tree)})
                                                for e in entries))
 
@@ -153,7 +170,10 @@ def main(argv=None) -> int:
                          "run per drafter)")
     ap.add_argument("--policies", default=None,
                     help="comma-separated subset of plain, default-static, static-best, adaptive-ema, eagle2, entmtp, "
-                         "oracle (default: all)")
+                         "entmtp-predictor (sets with an acceptance predictor), entmtp-paper, oracle (default: all)")
+    ap.add_argument("--shortlist", type=int, default=4,
+                    help="static-best: how many of the best trees in the replay of the test positions are measured "
+                         "(plus the default tree) before the fastest is kept (default: 4)")
     ap.add_argument("--quick", action="store_true",
                     help="a few minutes: 2 prompts per task, 48 new tokens, 2 repeats (noisier; for a smoke check)")
     args = ap.parse_args(argv)
@@ -194,8 +214,13 @@ def main(argv=None) -> int:
         # every tree set and the chains, timed interleaved in real engine steps (see measure_step_costs)
         sets = {task: load_tree_set(ROOT / "trees" / f"{name}-{drafter}-{set_name[task]}.json", drafter=drafter)
                 for task in args.tasks}
+        # the paper's rule (entmtp-paper): the same calibration records, bins on a sliding window of target
+        # entropy (arXiv 2606.27550), each bin's best trees
+        paper = {task: paper_tree_set(bundle, sets[task],
+                                      ROOT / "trees" / f"{name}-{drafter}-{set_name[task]}.records.jsonl")
+                 for task in args.tasks}
         timed = {t.parents: t for t in cands + [Tree.chain(d) for d in range(depth + 1)]
-                 + [e.tree for ts in sets.values() for e in ts.trees]}
+                 + [e.tree for ts in list(sets.values()) + list(paper.values()) for e in ts.trees]}
         medians = measure_step_costs(bundle, list(timed.values()), calib_prompts, 1)
         cost = fit_step_cost(list(timed.values()), [medians[k] for k in timed])
         print(f"[{drafter}] step seconds ~ {cost.to_json()} (in situ, {len(timed)} trees)", flush=True)
@@ -205,6 +230,7 @@ def main(argv=None) -> int:
         print(f"[{drafter}] default static tree {default.name}: {default.parents}", flush=True)
         for task in args.tasks:
             ts = with_costs(sets[task], cost)  # EntMTP and the oracle see the costs measured here
+            paper[task] = with_costs(paper[task], cost)
             items = task_items(task, args.prompts)
             grammars = make_records_grammars = None
             if task == "json" and use_schema:
@@ -224,7 +250,7 @@ def main(argv=None) -> int:
             entries = [TreeEntry(t, (0.0,), {1: cost(t)}) for t in pool]
             sims = [simulate(recs, lambda rec, hist, e=e: e) for e in entries]
             # static-best in hindsight: the best simulated trees, then the best of them measured for real
-            top = sorted(range(len(pool)), key=lambda i: -sims[i][0] / sims[i][2])[:4]
+            top = sorted(range(len(pool)), key=lambda i: -sims[i][0] / sims[i][2])[:args.shortlist]
             shortlist = [pool[i] for i in top] + ([default] if default not in [pool[i] for i in top] else [])
             measured = [run_policy(engine, streams, lambda k, t=t: StaticPolicy(t), args.max_new_tokens, grammars)
                         ["tokens_per_s"] for t in shortlist]
@@ -256,9 +282,12 @@ def main(argv=None) -> int:
                 "static-best": lambda k: StaticPolicy(static_best),
                 "adaptive-ema": lambda k: AdaptiveEMAPolicy(depth, 1),
                 "eagle2": lambda k: Eagle2Policy(wide, default.num_nodes),
-                "entmtp": lambda k: EntMTPPolicy(ts),
+                "entmtp": lambda k: entmtp_policy(ts, "entmtp-bins"),
+                "entmtp-paper": lambda k: EntMTPPolicy(paper[task]),
                 "oracle": oracle,
             }
+            if ts.predictor is not None:
+                policies["entmtp-predictor"] = lambda k: entmtp_policy(ts, "entmtp-predictor")
             if args.policies:
                 keep = set(args.policies.split(","))
                 policies = {k: v for k, v in policies.items() if k in keep}
@@ -271,7 +300,7 @@ def main(argv=None) -> int:
                 ent_set = with_costs(by_entropy, cost)
                 policies["entmtp-entropy"] = lambda k: EntMTPPolicy(ent_set)
             if args.ablation:
-                old = with_costs(sets[task], cost, add_plain=False)
+                old = with_costs(sets[task], cost, without_plain=True)
                 policies["entmtp-h5-nofb"] = lambda k: EntMTPPolicy(old, hysteresis=0.05, feedback=False)
             runs: dict[str, list[dict]] = {name: [] for name in policies}
             for rep in range(args.repeats):
@@ -310,23 +339,29 @@ def write(rows: list[dict], out: Path) -> None:
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| drafter | task | plain | default static | static-best | adaptive-EMA | EAGLE-2 | EntMTP | oracle | "
-             "EntMTP / plain | EntMTP / default | EntMTP / static-best | EntMTP / adaptive | EntMTP / EAGLE-2 | "
-             "headroom captured |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    cols = [("plain", "plain"), ("default-static", "default static"), ("static-best", "static-best"),
+            ("adaptive-ema", "adaptive-EMA"), ("eagle2", "EAGLE-2"), ("entmtp-paper", "entmtp-paper"),
+            ("entmtp", "EntMTP (bins)"), ("entmtp-predictor", "EntMTP (predictor)"), ("oracle", "oracle")]
+    present = [(k, h) for k, h in cols if any(r["policy"] == k for r in rows)]
+    ratios = [("entmtp", "plain"), ("entmtp", "default-static"), ("entmtp", "static-best"),
+              ("entmtp-predictor", "static-best"), ("entmtp", "entmtp-paper"), ("entmtp", "adaptive-ema"),
+              ("entmtp", "eagle2")]
+    ratios = [(a, b) for a, b in ratios if any(r["policy"] == a for r in rows) and any(r["policy"] == b for r in rows)]
+    name = dict(cols)
+    lines = ["| drafter | task | " + " | ".join(h for _, h in present) + " | "
+             + " | ".join(f"{name[a]} / {name[b]}" for a, b in ratios) + " | headroom captured |",
+             "|---|---|" + "---|" * (len(present) + len(ratios) + 1)]
     keys = sorted({(r["drafter"], r["task"]) for r in rows}, key=lambda k: (k[0], TASKS.index(k[1])))
     for d, t in keys:
         by = {r["policy"]: r for r in rows if r["drafter"] == d and r["task"] == t}
         v = {k: by[k]["tokens_per_s"] for k in by}
         cell = lambda k: f"{v[k]:.1f} ({by[k]['mean_accepted']:.2f})" if k in v else "-"  # noqa: E731
-        vs = lambda k: f"{v['entmtp'] / v[k]:.2f}x" if k in v else "-"  # noqa: E731
-        head = v["oracle"] - v["static-best"]
-        captured = (v["entmtp"] - v["static-best"]) / head if head > 0 else float("nan")
-        t = f"{t} (schema)" if by["entmtp"].get("json_schema") else t
-        lines.append(f"| {d} | {t} | {cell('plain')} | {cell('default-static')} | {cell('static-best')} | "
-                     f"{cell('adaptive-ema')} | {cell('eagle2')} | {cell('entmtp')} | {cell('oracle')} | "
-                     f"{vs('plain')} | {vs('default-static')} | "
-                     f"{vs('static-best')} | {vs('adaptive-ema')} | {vs('eagle2')} | {captured:.0%} |")
+        vs = lambda a, b: f"{v[a] / v[b]:.2f}x" if a in v and b in v else "-"  # noqa: E731
+        head = v.get("oracle", 0) - v.get("static-best", 0)
+        captured = (v["entmtp"] - v["static-best"]) / head if head > 0 and "entmtp" in v else float("nan")
+        t = f"{t} (schema)" if any(r.get("json_schema") for r in by.values()) else t
+        lines.append(f"| {d} | {t} | " + " | ".join(cell(k) for k, _ in present) + " | "
+                     + " | ".join(vs(a, b) for a, b in ratios) + f" | {captured:.0%} |")
     lines.append("")
     lines.append("Cells: tokens/s (mean accepted drafts per step); median over repeats, batch 1, greedy.")
     signals = sorted({(r["drafter"], r["task"], r.get("signal", "draft_entropy")) for r in rows
@@ -364,23 +399,32 @@ def plain_line(rows: list[dict]) -> str:
 
 
 def goals_line(rows: list[dict]) -> str:
-    """How many (drafter, task) cells meet each of the issue's goals, and how far repeats spread."""
+    """How many (drafter, task) cells meet the policy issue's goals, per EntMTP policy, and how far repeats
+    spread: >= 1.10x static-best per task, >= 1.15x on the mixed stream, >= half the oracle's headroom
+    over static-best, >= 1.05x entmtp-paper."""
     cells = {}
     for r in rows:
-        cells.setdefault((r["drafter"], r["task"]), {})[r["policy"]] = r
-    v = {k: {p: r["tokens_per_s"] for p, r in c.items()} for k, c in cells.items()}
-    n = len(v)
-    over = lambda a, b, x: sum(b in c and c["entmtp"] >= x * c[b] for c in v.values())  # noqa: E731
-    head = sum(c["oracle"] > c["static-best"] and
-               (c["entmtp"] - c["static-best"]) >= 0.5 * (c["oracle"] - c["static-best"]) for c in v.values())
-    mixed = ", ".join(f"{d} {c['entmtp'] / c['static-best']:.2f}x" for (d, t), c in sorted(v.items()) if t == "mixed")
+        cells.setdefault((r["drafter"], r["task"]), {})[r["policy"]] = r["tokens_per_s"]
+    out = []
+    for pol in ("entmtp", "entmtp-predictor"):
+        have = {k: c for k, c in cells.items() if pol in c and "static-best" in c}
+        if not have:
+            continue
+        tasks = [c for (d, t), c in have.items() if t != "mixed"]
+        mixed = [c for (d, t), c in have.items() if t == "mixed"]
+        best = sum(c[pol] >= 1.10 * c["static-best"] for c in tasks)
+        mix = sum(c[pol] >= 1.15 * c["static-best"] for c in mixed)
+        head = [c for c in have.values() if "oracle" in c and c["oracle"] > c["static-best"]]
+        half = sum(c[pol] - c["static-best"] >= 0.5 * (c["oracle"] - c["static-best"]) for c in head)
+        paper = [c for c in have.values() if "entmtp-paper" in c]
+        over_paper = sum(c[pol] >= 1.05 * c["entmtp-paper"] for c in paper)
+        out.append(f"{pol}: >= 1.10x static-best in {best} of {len(tasks)} task cells, >= 1.15x on the mixed "
+                   f"stream in {mix} of {len(mixed)}, >= half the oracle's headroom in {half} of {len(head)}, "
+                   f">= 1.05x entmtp-paper in {over_paper} of {len(paper)}")
     spreads = sorted((max(r["repeats"]) - min(r["repeats"])) / r["tokens_per_s"] for r in rows if len(r["repeats"]) > 1)
     spread = (f" Repeats of one cell differ by {spreads[len(spreads) // 2]:.0%} at the median and "
               f"{spreads[-1]:.0%} at worst." if spreads else "")
-    return (f"Goals met, of {n} cells: EntMTP >= 1.15x default static in {over('entmtp', 'default-static', 1.15)}; "
-            f">= 1.05x static-best in {over('entmtp', 'static-best', 1.05)}; >= 1.05x adaptive-EMA in "
-            f"{over('entmtp', 'adaptive-ema', 1.05)}; >= half the oracle's headroom over static-best in {head}. "
-            f"Mixed stream vs static-best (goal 1.15x): {mixed or 'not run'}.{spread}")
+    return "Goals met: " + ("; ".join(out) if out else "no EntMTP cell with static-best") + "." + spread
 
 
 if __name__ == "__main__":

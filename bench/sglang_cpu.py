@@ -24,7 +24,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--batches", default="1,8", help="comma-separated batch sizes (requests in flight)")
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--systems", default="", help="comma-separated subset of: " + ", ".join(s.name for s in DEFAULT_SYSTEMS))
+    ap.add_argument("--systems", default="",
+                    help="comma-separated subset of: " + ", ".join(s.name for s in DEFAULT_SYSTEMS))
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))

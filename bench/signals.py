@@ -15,6 +15,15 @@ position's drafter entropy and margin, target entropy, and the rank vector of th
 
 This is the ceiling of any policy that maps one scalar signal to a tree: the replay has no timing noise
 and no hysteresis, and the policy sees each signal exactly as calibration recorded it.
+
+Where the records carry per-depth draft probabilities (`entmtp calibrate ... --records-only` records them),
+the same folds also replay the per-node acceptance predictor (tree/acceptance.py, fitted on the other
+half): each step takes the tree of the pool with the most (expected accepted length + 1) / cost, where
+the expected length sums, over the tree's nodes, the product of calibrated acceptance along the path.
+Two variants: `predictor` uses the draft probabilities of every depth (what Medusa's heads give before
+any tree is drafted), `predictor-d1` only the depth-1 distribution (what a sequential drafter, Hydra or
+EAGLE, knows before drafting; deeper nodes use the predictor's per-depth table). `corr` columns: the
+Pearson correlation of the predicted with the accepted length of the deepest chain.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from pathlib import Path
 
 from entmtp_sglang.calibrate import PositionRecord, cost_models_of, load_records, pearson, signals_of, simulate
 from entmtp_sglang.tree import Tree
+from entmtp_sglang.tree.acceptance import fit_predictor
 from entmtp_sglang.tree.construct import accepted_on, greedy_tree
 from entmtp_sglang.tree.treeset import TreeEntry, load_tree_set
 
@@ -95,6 +105,17 @@ def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 
         ratios.setdefault("oracle", []).append(oracle / static_best)
         one = fold_policy([0.0] * len(records), train, records, 1, pool, depth, max_rank, cost)
         ratios.setdefault("one bin", []).append(replay(sub, one, cost) / static_best)
+        if all(r.draft_probs for r in records):
+            pred = fit_predictor([records[i] for i in train], max_depth=depth, max_rank=max_rank)
+            chain = Tree.chain(depth)
+            views = (("predictor", lambda rec: rec.draft_probs), ("predictor-d1", lambda rec: rec.draft_probs[:1]))
+            for name, view in views:
+                def choose(rec, view=view):
+                    probs = view(rec)
+                    return max(pool.values(), key=lambda t: (pred.expected_accepted(t, probs) + 1) / cost(t))
+                ratios.setdefault(name, []).append(replay(sub, choose, cost) / static_best)
+                predicted = [pred.expected_accepted(chain, view(r)) for r in sub]
+                ratios.setdefault(f"corr {name}", []).append(pearson(predicted, [float(r.chain_accepted) for r in sub]))
         for name, values in sig.items():
             for bins in BINS:
                 pol = fold_policy(values, train, records, bins, pool, depth, max_rank, cost)
@@ -106,40 +127,57 @@ def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 
 def markdown(results: dict) -> str:
     signals = ("draft_entropy", "draft_margin", "target_window", "target_ema")
     lines = ["| drafter | task | positions | corr: " + " | ".join(signals) + " | oracle | one bin | "
-             + " | ".join(f"{s}/4" for s in signals) + " | best |",
-             "|---|---|---|" + "---|" * (2 * len(signals) + 3)]
+             + " | ".join(f"{s}/4" for s in signals) + " | best scalar | predictor | predictor-d1 | "
+             "corr: predictor / d1 | predictor's share of the oracle's headroom |",
+             "|---|---|---|" + "---|" * (2 * len(signals) + 7)]
     for key, r in results.items():
         d, t = key.split("/", 1)
         v = r["vs_static_best"]
-        per = {k: x for k, x in v.items() if k not in ("oracle", "one bin")}
+        per = {k: x for k, x in v.items() if "/" in k}
         best = max(per, key=per.get)
+        pred = lambda k: f"{v[k]:.2f}x" if k in v else "-"  # noqa: E731
+        corr = (f"{v['corr predictor']:+.2f} / {v['corr predictor-d1']:+.2f}" if "corr predictor" in v else "-")
+        share = (f"{(max(v['predictor'], v['predictor-d1']) - 1) / (v['oracle'] - 1):.0%}"
+                 if "predictor" in v and v["oracle"] > 1 else "-")
         lines.append(f"| {d} | {t} | {r['positions']} | "
                      + " | ".join(f"{r['correlation'].get(s, float('nan')):+.2f}" for s in signals)
                      + f" | {v['oracle']:.2f}x | {v['one bin']:.2f}x | "
                      + " | ".join(f"{v[f'{s}/4']:.2f}x" if f"{s}/4" in v else "-" for s in signals)
-                     + f" | {best} {per[best]:.2f}x |")
+                     + f" | {best} {per[best]:.2f}x | {pred('predictor')} | {pred('predictor-d1')} | {corr} "
+                     f"| {share} |")
     lines += ["", "corr: Pearson correlation with the accepted chain length. Other columns: cross-validated replay "
               "tokens/s relative to static-best in hindsight (see the script's docstring); `/4` = 4 quantile "
-              "bins; best = the best signal and bin count (2, 4 or 8)."]
+              "bins; best scalar = the best signal and bin count (2, 4 or 8); predictor: the per-node "
+              "acceptance predictor with every depth's draft probabilities, predictor-d1 with the depth-1 "
+              "distribution only (its corr: predicted vs accepted length of the deepest chain)."]
     means = {}
     for r in results.values():
         for k, x in r["vs_static_best"].items():
-            means.setdefault(k, []).append(x)
+            if not k.startswith("corr"):
+                means.setdefault(k, []).append(x)
     order = sorted(means, key=lambda k: -statistics.fmean(means[k]))
-    lines += ["", "Mean over cells: " + ", ".join(f"{k} {statistics.fmean(means[k]):.3f}x" for k in order) + "."]
+    lines += ["", "Mean over cells: " + ", ".join(f"{k} {statistics.fmean(means[k]):.3f}x ({len(means[k])} cells)"
+                                                  for k in order) + "."]
     return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafters", nargs="+", default=["hydra", "medusa"])
+    ap.add_argument("--model", default="entmtp-tiny",
+                    help="whose shipped tree sets and records: entmtp-tiny (default) or smollm2-135m-instruct")
+    ap.add_argument("--drafters", nargs="+", default=None,
+                    help="default: hydra medusa (entmtp-tiny); eagle hydra medusa (other models)")
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
-    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "signals")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: bench/results/signals (entmtp-tiny) or bench/results/signals_<model>")
     args = ap.parse_args(argv)
+    model = "smollm2-135m-instruct" if args.model == "smollm2" else args.model
+    drafters = args.drafters or (["hydra", "medusa"] if model == "entmtp-tiny" else ["eagle", "hydra", "medusa"])
+    args.out = args.out or ROOT / "bench" / "results" / ("signals" if model == "entmtp-tiny" else f"signals_{model}")
     results = {}
-    for drafter in args.drafters:
+    for drafter in drafters:
         for task in args.tasks:
-            path = ROOT / "trees" / f"entmtp-tiny-{drafter}-{task}.json"
+            path = ROOT / "trees" / f"{model}-{drafter}-{task}.json"
             if not path.exists():
                 continue
             ts = load_tree_set(path, drafter=drafter)

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import platform
 import statistics
@@ -29,10 +30,11 @@ from pathlib import Path
 import torch
 
 from .engine.engine import Engine, static_chooser
-from .engine.sampling import entropy_nats, top_margin
+from .engine.sampling import entropy_nats, top_margin, top_probs
 from .model.load import Bundle
-from .policy.signals import ema, window_mean
+from .policy.signals import SIGNAL_KINDS, recorded_signal
 from .tree import Tree
+from .tree.acceptance import fit_predictor
 from .tree.construct import accepted_on, expected_accepted, greedy_tree, pareto_front
 from .tree.treeset import TreeEntry, TreeSet
 
@@ -70,6 +72,10 @@ class PositionRecord:
     target_entropy: float  # target entropy after the root (known once this position is verified)
     ranks: tuple[int, ...]
     draft_margin: float = math.nan  # drafter top-1 minus top-2 probability (nan: an older record)
+    # per depth d (1..K), the drafter's max_rank largest probabilities (descending) at depth d along the true
+    # continuation (teacher forcing: the distribution the rank-r child of an accepted parent is drafted from);
+    # empty in older records. The per-node acceptance predictor (tree/acceptance.py) is fitted on these.
+    draft_probs: tuple[tuple[float, ...], ...] = ()
 
     @property
     def chain_accepted(self) -> int:
@@ -121,36 +127,39 @@ def record_positions(bundle: Bundle, prompts: list[list[int]], cfg: CalibrationC
                         logits[d][i] = logits[d][i].masked_fill(~g.path_mask(prefix), float("-inf"))
             ranks = torch.stack([_ranks(logits[d], true[:, d], cfg.max_rank) for d in range(k)], 1)
             ent, margin = entropy_nats(logits[0]), top_margin(logits[0])
+            top = torch.stack([top_probs(logits[d], cfg.max_rank) for d in range(k)], 1)  # (B, k, max_rank)
             for i in range(len(batch)):
                 if active[i]:
-                    rows[(i, int(lens[i]) - plens[i])] = (float(ent[i]), float(margin[i]), tuple(ranks[i].tolist()))
+                    probs = tuple(tuple(round(p, 3) for p in row) for row in top[i].tolist())
+                    rows[(i, int(lens[i]) - plens[i])] = (float(ent[i]), float(margin[i]), tuple(ranks[i].tolist()),
+                                                          probs)
 
         results = engine.generate(batch, cfg.max_new_tokens, static_chooser(plain), observer=observer,
                                   grammars=grammars)
         for i, r in enumerate(results):
             assert r.output_ids == outputs[i], "greedy decoding is not deterministic"
             for s, step in enumerate(r.steps):
-                d_ent, margin, ranks = rows[(i, s)]
-                out.append(PositionRecord(start + i, s, d_ent, step.target_entropy[0], ranks, margin))
+                d_ent, margin, ranks, probs = rows[(i, s)]
+                out.append(PositionRecord(start + i, s, d_ent, step.target_entropy[0], ranks, margin, probs))
         if progress is not None:
             progress.update(len(batch))
     return out
 
 
 def signals_of(records: list[PositionRecord], window: int) -> dict[str, list[float]]:
-    """Each signal at each record, computed only from what the engine would know at that step."""
+    """Each registered signal (policy/signals.py) at each record, computed only from what the engine would
+    know at that step."""
     by_prompt: dict[int, list[PositionRecord]] = {}
     for r in records:
         by_prompt.setdefault(r.prompt, []).append(r)
-    out = {"draft_entropy": [], "draft_margin": [], "target_window": [], "target_ema": []}
+    out: dict[str, list[float]] = {name: [] for name in SIGNAL_KINDS}
     for r in records:
         prev = [x.target_entropy for x in by_prompt[r.prompt][max(0, r.pos - 4 * window):r.pos]]
-        out["draft_entropy"].append(r.draft_entropy)
-        out["draft_margin"].append(r.draft_margin)
-        out["target_window"].append(window_mean(prev[-window:], r.draft_entropy))
-        out["target_ema"].append(ema(prev, 0.3, r.draft_entropy))
-    if any(math.isnan(v) for v in out["draft_margin"]):  # records saved before margins were recorded
-        del out["draft_margin"]
+        for name, kind in SIGNAL_KINDS.items():
+            out[name].append(recorded_signal(kind, r, prev, window))
+    for name in list(out):
+        if any(math.isnan(v) for v in out[name]):  # records saved before margins were recorded
+            del out[name]
     return out
 
 
@@ -395,8 +404,20 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
                     "signal_correlations": corr, "bin_sizes": [len(b) for b in bins],
                     "step_cost_model": {str(b): m.to_json() for b, m in models.items()},
                     "step_cost_source": cost_source or "in situ",
-                    "commit": git_commit(), "created": time.strftime("%Y-%m-%d %H:%M:%S")})
+                    "commit": git_commit(), "created": time.strftime("%Y-%m-%d %H:%M:%S")},
+        predictor=(fit_predictor(records, depth, cfg.max_rank).to_json()
+                   if all(r.draft_probs for r in records) else None))
     return ts, all_points
+
+
+def paper_tree_set(bundle: Bundle, shipped: TreeSet, records_path: Path, window: int = 8) -> TreeSet:
+    """EntMTP as arXiv 2606.27550 writes it (`entmtp-paper`): the set rebuilt from `shipped`'s calibration
+    records and step-cost models, binned on the mean target entropy of the last `window` accepted positions
+    (each bin keeps its best trees, chain:0 always in)."""
+    cfg = CalibrationConfig(shipped.drafter, shipped.task, num_bins=shipped.num_bins, window=window)
+    ts, _ = build_tree_set(bundle, load_records(records_path), [], cfg, log=lambda *a: None, signal="target_window",
+                           models=cost_models_of(shipped))
+    return dataclasses.replace(ts, predictor=None, provenance={**ts.provenance, "rule": "entmtp-paper"})
 
 
 def plot_pareto(points: dict, ts: TreeSet, path: Path) -> None:
@@ -426,15 +447,19 @@ def plot_pareto(points: dict, ts: TreeSet, path: Path) -> None:
 def save_records(records: list[PositionRecord], path: Path) -> None:
     import json
 
-    path.write_text(json.dumps([[r.prompt, r.pos, round(r.draft_entropy, 4), round(r.target_entropy, 4),
-                                 list(r.ranks), round(r.draft_margin, 4)] for r in records]))
+    rows = [[r.prompt, r.pos, round(r.draft_entropy, 4), round(r.target_entropy, 4), list(r.ranks),
+             round(r.draft_margin, 4)] + ([[[round(p, 3) for p in d] for d in r.draft_probs]] if r.draft_probs else [])
+            for r in records]
+    path.write_text(json.dumps(rows, separators=(",", ":")))
 
 
 def load_records(path: Path) -> list[PositionRecord]:
     import json
 
-    # [prompt, pos, draft entropy, target entropy, ranks(, draft margin)]: older files lack the margin
-    return [PositionRecord(row[0], row[1], row[2], row[3], tuple(row[4]), *row[5:6])
+    # [prompt, pos, draft entropy, target entropy, ranks(, draft margin(, draft probs))]: older files lack the
+    # margin or the per-depth probabilities
+    return [PositionRecord(row[0], row[1], row[2], row[3], tuple(row[4]), *row[5:6],
+                           *([tuple(tuple(d) for d in row[6])] if len(row) > 6 else []))
             for row in json.loads(Path(path).read_text())]
 
 

@@ -12,8 +12,20 @@ trees:
   chain:N          a chain of N drafted tokens after the root (chain:0 = plain decoding)
   -1,0,0,1         a parent array: node 0 is the root, each later node names its parent
                    (write --tree=-1,0,0,1: argparse reads a value starting with '-' as a flag)
+  NAME             with --tree-set: one tree of the set, by its name (static)
   --tree-set TASK  the EntMTP policy over the tree set shipped for this model, drafter and task
   --tree-set FILE  ... or over a tree-set file (trees/*.json)
+policies (--policy):
+  entmtp           the default: entmtp-predictor where the set carries an acceptance predictor, else
+                   entmtp-bins
+  entmtp-bins      the set's signal bins (draft margin or entropy) -> the tree with the most expected
+                   tokens per second, with acceptance feedback and hysteresis
+  entmtp-predictor per-node acceptance predicted from the drafter's probabilities (OPT-Tree's objective)
+  entmtp-paper     the paper's rule: a sliding window of target entropy picks the bin (the set is rebuilt
+                   from its calibration records, which a checkout ships next to it)
+  static           one tree (--tree) every step
+  adaptive         SGLang's --speculative-adaptive rule: an EMA of accepted length picks the chain depth
+  eagle2           EAGLE-2 style: draft --tree, verify the --keep most confident nodes
 models:
   --model smollm2  SmolLM2-135M-Instruct, converted on first use (entmtp model prepare smollm2); its
                    prompts go through its chat template (--raw-prompt feeds them as they are)
@@ -22,8 +34,12 @@ examples:
   entmtp generate --model smollm2 --drafter eagle --tree-set json-grammar --json-schema person.json \\
       --prompt 'Write a JSON object describing a person.'
   entmtp generate --prompt 'def fibonacci(n):' --drafter medusa --tree chain:4
+  entmtp generate --model smollm2 --drafter hydra --tree-set math --policy entmtp-paper --prompt 'What is 12*7?'
   entmtp generate --prompt 'User: Tell me a story.\\nAssistant: ' --drafter eagle --tree=-1,0,0,1,1,2
 """
+
+
+POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor", "entmtp-paper", "static", "adaptive", "eagle2")
 
 
 def _add_generate(sub) -> None:
@@ -37,13 +53,18 @@ def _add_generate(sub) -> None:
                    help="model directory in Hugging Face layout (default: the bundled entmtp-tiny)")
     p.add_argument("--drafter", choices=("medusa", "hydra", "eagle"), default="medusa",
                    help="which multi-token-prediction drafter proposes tokens (default: medusa)")
-    p.add_argument("--tree", default="chain:4",
-                   help="draft tree: chain:N, a comma-separated parent array, or a tree-set JSON file "
-                        "(default: chain:4)")
+    p.add_argument("--tree", default=None,
+                   help="draft tree: chain:N, a comma-separated parent array, or (with --tree-set) the name of "
+                        "one of the set's trees (default: chain:4)")
     p.add_argument("--tree-set", default=None, metavar="TASK|FILE",
-                   help="run the EntMTP policy over a tree set instead of one --tree: a task name (code, math, "
+                   help="run an EntMTP policy over a tree set instead of one --tree: a task name (code, math, "
                         "chat, prose, json, json-grammar, mixed) picks the set shipped for this model and "
                         "drafter, or give a tree-set JSON file")
+    p.add_argument("--policy", choices=POLICIES, default=None,
+                   help="how each step's tree is chosen (default: entmtp with --tree-set, else static); see "
+                        "'policies' below")
+    p.add_argument("--keep", type=int, default=8,
+                   help="eagle2: nodes verified per step, root included (default: 8)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate (default: 128)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 samples with exact rejection-sampling verification")
@@ -73,17 +94,16 @@ def _add_generate(sub) -> None:
 def _generate(args) -> int:
     import torch
 
-    from .engine.engine import Engine, RequestError, static_chooser
+    from .engine.engine import Engine, RequestError
     from .engine.sampling import SamplingParams
     from .model.load import load_bundle
-    from .tree import Tree, TreeError
+    from .tree import TreeError
 
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
         sampling = SamplingParams(args.temperature, args.top_p, args.top_k)
-        tree = Tree.chain(0) if args.no_speculation else _read_tree(args.tree)
-    except (ValueError, TreeError) as e:
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     from .model.load import ModelDirError
@@ -96,21 +116,12 @@ def _generate(args) -> int:
         return 2
     prompts = [bundle.text_ids(p, chat=not args.raw_prompt) for p in args.prompt]
     engine = Engine(bundle.target, bundle.drafter_kind, bundle.drafter, bundle.eos_token_id)
-    chooser, observer, tree_name = static_chooser(tree), None, tree.name
-    if args.tree_set and not args.no_speculation:
-        from .policy.policies import EntMTPPolicy
-        from .tree.treeset import TreeSetError, load_tree_set, shipped_tree_set
-
-        path = Path(args.tree_set)
-        if not args.tree_set.endswith(".json"):
-            path = shipped_tree_set(args.drafter, args.tree_set, bundle.path.name)
-        try:
-            ts = load_tree_set(path, model=bundle.path.name, drafter=args.drafter)
-        except TreeSetError as e:
-            print(f"error: --tree-set: {e}", file=sys.stderr)
-            return 2
-        chooser = EntMTPPolicy(ts)
-        observer, tree_name = chooser.observe, f"entmtp:{path.stem}"
+    try:
+        chooser, tree_name = _chooser(args, bundle)
+    except (ValueError, TreeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    observer = getattr(chooser, "observe", None)
     try:
         grammars = _grammars(args, bundle, len(prompts))
         t0 = time.perf_counter()
@@ -138,7 +149,8 @@ def _generate(args) -> int:
 def _add_calibrate(sub) -> None:
     p = sub.add_parser(
         "calibrate", help="build a task's tree set from calibration prompts",
-        description="Decode a task's calibration prompts, record drafter acceptance by signal bin (draft entropy or margin, or a target-entropy window: the best predictor), "
+        description="Decode a task's calibration prompts, record drafter acceptance by signal bin (draft entropy "
+                    "or margin, or a target-entropy window: the best predictor), "
                     "measure verification cost on this machine, and write a tree set of Pareto-optimal "
                     "trees (JSON) with a Pareto-frontier plot (PNG).")
     p.add_argument("--model", type=Path, default=None, help="model directory (default: bundled entmtp-tiny)")
@@ -158,6 +170,10 @@ def _add_calibrate(sub) -> None:
     p.add_argument("--from-records", action="store_true",
                    help="reuse the acceptance records saved next to the output (...records.jsonl; else those of "
                         "the default output) instead of decoding again; only the step costs are measured anew")
+    p.add_argument("--records-only", action="store_true",
+                   help="decode and save the acceptance records (...records.jsonl, with per-depth draft "
+                        "probabilities) and refit the existing tree set's per-node acceptance predictor from them; "
+                        "its trees, bins and costs stay as they are")
     p.add_argument("--cost-table", type=Path, default=None, metavar="FILE",
                    help="take step costs from a measured cost table (bench/gpu_costs.py's JSON, e.g. from the "
                         "GPU check) instead of timing this machine; default output "
@@ -171,8 +187,7 @@ def _calibrate(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from .calibrate import (CalibrationConfig, build_tree_set, load_records, plot_pareto, record_positions,
-                            save_records)
+    from .calibrate import CalibrationConfig, build_tree_set, load_records, plot_pareto, record_positions, save_records
     from .model.load import load_bundle
     from .tasks import TASKS, interleave, load_prompts
 
@@ -202,6 +217,9 @@ def _calibrate(args) -> int:
             return 2
     elif args.cost_model:
         print("error: --cost-model needs --cost-table", file=sys.stderr)
+        return 2
+    if args.records_only and args.from_records:
+        print("error: --records-only decodes; it cannot be combined with --from-records", file=sys.stderr)
         return 2
     for task in tasks:
         cfg = CalibrationConfig(args.drafter, task, args.prompts, args.max_new_tokens, num_bins=args.bins)
@@ -239,6 +257,21 @@ def _calibrate(args) -> int:
         else:
             with tqdm(total=len(prompts), desc=f"calibrate {args.drafter}/{cfg.task}", unit="prompt") as bar:
                 records = record_positions(bundle, prompts, cfg, bar, make_grammars)
+        if args.records_only:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            save_records(records, out.with_suffix(".records.jsonl"))
+            print(f"wrote {out.with_suffix('.records.jsonl')} ({len(records)} positions)", flush=True)
+            if out.exists():
+                import dataclasses
+
+                from .tree.acceptance import fit_predictor
+                from .tree.treeset import load_tree_set
+
+                ts = load_tree_set(out)
+                fitted = fit_predictor(records, ts.max_depth or None, cfg.max_rank)
+                dataclasses.replace(ts, predictor=fitted.to_json()).save(out)
+                print(f"refitted the acceptance predictor of {out} on {fitted.positions} positions", flush=True)
+            continue
         ts, points = build_tree_set(bundle, records, prompts, cfg, log=tqdm.write, models=models,
                                     cost_source=cost_source)
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -283,10 +316,67 @@ def _grammars(args, bundle, n: int):
     return [RequestGrammar(compiled, vocab) for _ in range(n)]
 
 
-def _read_tree(spec: str):
+def _chooser(args, bundle):
+    """(tree chooser, its name for the stats line) from --policy, --tree, --tree-set; ValueError names a
+    bad combination."""
+    from .engine.engine import static_chooser
+    from .policy.policies import AdaptiveEMAPolicy, Eagle2Policy, EntMTPPolicy, entmtp_policy
+    from .tree import Tree
+    from .tree.treeset import TreeSetError, load_tree_set, shipped_tree_set
+
+    if args.no_speculation:
+        return static_chooser(Tree.chain(0)), "chain:0"
+    policy = args.policy or ("entmtp" if args.tree_set else "static")
+    ts = path = None
+    if args.tree_set:
+        path = Path(args.tree_set)
+        if not args.tree_set.endswith(".json"):
+            path = shipped_tree_set(args.drafter, args.tree_set, bundle.path.name)
+        try:
+            ts = load_tree_set(path, model=bundle.path.name, drafter=args.drafter)
+        except TreeSetError as e:
+            raise ValueError(f"--tree-set: {e}") from None
+    if policy.startswith("entmtp"):
+        if ts is None:
+            raise ValueError(f"--policy {policy} chooses among the trees of a set: give --tree-set TASK|FILE")
+        if args.tree:
+            raise ValueError(f"--tree fixes one tree; --policy {policy} chooses among the set's (use --policy "
+                             "static --tree NAME for one of them)")
+        if policy == "entmtp-paper":
+            from .calibrate import paper_tree_set
+
+            records = path.with_suffix(".records.jsonl")
+            if not records.exists():
+                raise ValueError(f"entmtp-paper rebuilds the set from its calibration records, and {records} "
+                                 "does not exist (a repository checkout ships them; or run entmtp calibrate)")
+            chooser = EntMTPPolicy(paper_tree_set(bundle, ts, records))
+        else:
+            chooser = entmtp_policy(ts, policy)
+        return chooser, f"{chooser.name}:{path.stem}"
+    tree = _read_tree(args.tree or "chain:4", ts)
+    if policy == "static":
+        return static_chooser(tree), tree.name
+    if policy == "adaptive":
+        return AdaptiveEMAPolicy(min(5, getattr(bundle.drafter, "max_depth", 5))), "adaptive-ema"
+    if args.keep < 1:
+        raise ValueError(f"--keep must be at least 1, got {args.keep}")
+    chooser = Eagle2Policy(tree, min(args.keep, tree.num_nodes))
+    return chooser, chooser.name
+
+
+def _read_tree(spec: str, tree_set=None):
+    """chain:N, a parent array, or the name of one of the tree set's trees."""
     from .tree import Tree
 
-    return Tree.parse(spec)
+    if tree_set is not None:
+        for entry in tree_set.trees:
+            if entry.tree.name == spec:
+                return entry.tree
+    try:
+        return Tree.parse(spec)
+    except ValueError as e:
+        names = f"; the set's trees: {', '.join(t.tree.name for t in tree_set.trees)}" if tree_set else ""
+        raise ValueError(f"--tree {spec!r}: {e}{names}") from None
 
 
 def _add_model(sub) -> None:

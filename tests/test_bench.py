@@ -33,7 +33,8 @@ def in_process_systems() -> tuple[str, ...]:
 def small_run():
     """Every registered system on the three-turn mixed session, batch 1 and 2 (a few tokens each)."""
     cfg = BenchConfig(tasks=TASKS, systems=in_process_systems(), batch_sizes=BATCHES, repeats=1, max_new_tokens=6,
-                      prompts=1, cost_steps=1, cost_rounds=1, warmup=False, max_prompt_tokens=48, name="test", threads=1)
+                      prompts=1, cost_steps=1, cost_rounds=1, warmup=False, max_prompt_tokens=48, name="test",
+                      threads=1)
     return run_bench(cfg, progress=False, log=lambda *a: None)
 
 
@@ -203,13 +204,12 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
-from types import SimpleNamespace  # noqa: E402
 
 from entmtp_sglang.bench import sglang_systems  # noqa: E402
 from entmtp_sglang.bench.cli import add_parser, config_from_args  # noqa: E402
 from entmtp_sglang.bench.systems import Stream, TaskStreams  # noqa: E402
 from entmtp_sglang.sglang.benchmark import ADAPTIVE, ENTMTP, PLAIN, ServerPool, SystemSpec, spec_counts  # noqa: E402
-from entmtp_sglang.sglang.serve import SGLangServer, ServerError  # noqa: E402
+from entmtp_sglang.sglang.serve import ServerError, SGLangServer  # noqa: E402
 
 EAGLE = sglang_systems.EAGLE_STATIC
 

@@ -41,6 +41,44 @@ def test_bad_input_gets_a_clear_error(capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, name", [
+    (["--tree-set", "code"], "tree=entmtp"),
+    (["--tree-set", "code", "--policy", "entmtp-bins"], "tree=entmtp:entmtp-tiny-hydra-code"),
+    (["--tree-set", "math", "--policy", "entmtp-paper"], "tree=entmtp:entmtp-tiny-hydra-math"),
+    (["--policy", "adaptive"], "tree=adaptive-ema"),
+    (["--policy", "eagle2", "--tree", "chain:3", "--keep", "3"], "tree=eagle2[4->3]"),
+    (["--tree-set", "code", "--policy", "static", "--tree", "chain:0"], "tree=chain:0"),
+])
+def test_every_policy_runs_from_the_cli(capsys, argv, name):
+    assert main(["generate", "--prompt", "def f(x):", "--drafter", "hydra", "--max-new-tokens", "8"] + argv) == 0
+    assert name in capsys.readouterr().out
+
+
+def test_tree_by_name_from_the_set_and_policy_errors(capsys, tmp_path):
+    import json
+
+    from entmtp_sglang.tree.treeset import shipped_tree_set
+
+    data = json.loads(shipped_tree_set("hydra", "code").read_text())
+    named = data["trees"][-1]["name"]
+    assert main(["generate", "--prompt", "x", "--drafter", "hydra", "--max-new-tokens", "4", "--tree-set", "code",
+                 "--policy", "static", "--tree", named]) == 0
+    assert f"tree={named}" in capsys.readouterr().out
+    data.pop("predictor", None)
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps(data))
+    for argv, message in [
+        (["--policy", "entmtp"], "give --tree-set"),
+        (["--tree-set", "code", "--tree", "chain:2"], "--tree fixes one tree"),
+        (["--tree-set", str(bare), "--policy", "entmtp-predictor"], "carries no acceptance predictor"),
+        (["--tree-set", str(bare), "--policy", "entmtp-paper"], "bare.records.jsonl does not exist"),
+        (["--tree-set", "code", "--policy", "static", "--tree", "nope"], "the set's trees: chain:0"),
+    ]:
+        assert main(["generate", "--prompt", "x", "--drafter", "hydra"] + argv) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, (argv, err)
+
+
 def test_empty_prompt_is_refused(capsys):
     assert main(["generate", "--prompt", ""]) == 2
     assert "empty prompt" in capsys.readouterr().err
@@ -67,3 +105,20 @@ def test_wheel_carries_kernels_trees_model_and_shadows_nothing(tmp_path):
     assert "entmtp_sglang/models/entmtp-tiny/model.safetensors" in names
     assert "entmtp_sglang/models/entmtp-tiny/eagle/model.safetensors" in names
     assert "entmtp_sglang/data/prompts/code.jsonl" in names
+
+
+def test_public_entry_runs_entmtp_end_to_end():
+    import entmtp_sglang as em
+
+    assert set(em.__all__) >= {"Engine", "load_bundle", "load_tree_set", "entmtp_policy", "TreeController"}
+    bundle = em.load_bundle(None, "hydra")
+    ts = em.load_tree_set(em.shipped_tree_set("hydra", "code"))
+    assert any(t.tree.num_nodes == 1 for t in ts.trees)  # chain:0 in every set
+    engine = em.Engine(bundle.target, bundle.drafter_kind, bundle.drafter, bundle.eos_token_id)
+    policy = em.entmtp_policy(ts)
+    prompt = bundle.text_ids("def add(a, b):")
+    out = engine.generate([prompt], 16, policy, observer=policy.observe)[0]
+    plain = engine.generate([prompt], 16, lambda view: em.Tree.chain(0))[0]
+    assert out.output_ids == plain.output_ids
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        em.nope

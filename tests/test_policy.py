@@ -10,13 +10,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from entmtp_sglang.engine.engine import StepRecord, StepView
+from entmtp_sglang.engine.sampling import entropy_nats
 from entmtp_sglang.policy.policies import AdaptiveEMAPolicy, EntMTPPolicy, StaticPolicy
 from entmtp_sglang.policy.selector import select_tree
-from entmtp_sglang.engine.sampling import entropy_nats
 from entmtp_sglang.policy.signals import draft_signal, least_predictable, recent_target_entropies, signal_value
 from entmtp_sglang.tree import Tree
-from entmtp_sglang.tree.construct import (accepted_on, expected_accepted, greedy_tree, independent_tree,
-                                          pareto_front)
+from entmtp_sglang.tree.construct import accepted_on, expected_accepted, greedy_tree, independent_tree, pareto_front
 from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, TreeSetError, from_json, load_tree_set
 
 
@@ -222,10 +221,14 @@ def test_step_costs_are_measured_in_situ_for_every_tree(random_models):
 
 from types import SimpleNamespace  # noqa: E402
 
-import torch  # noqa: E402
-
-from entmtp_sglang.policy.selector import (acceptance_scale, batch_values, select_batch_tree,  # noqa: E402
-                                           speculation_pays, tree_values)
+from entmtp_sglang.policy.selector import (  # noqa: E402
+    acceptance_scale,
+    batch_values,
+    binned_expected,
+    select_batch_tree,
+    speculation_pays,
+    tree_values,
+)
 
 
 def _compute_bound_set(acc_deep=(3.5, 0.2)):
@@ -298,7 +301,7 @@ def test_one_predictable_request_does_not_make_the_batch_speculate():
     many = [0.2] + [3.0] * 31
     assert ts.trees[select_batch_tree(ts, many, 32)].tree.name == "chain:0"
     assert ts.trees[select_batch_tree(ts, [0.2], 1)].tree.name == "chain:4"  # batch 1: deep
-    values = batch_values(ts, [ts.bin_of(h) for h in many], 32)
+    values = batch_values(ts, [binned_expected(ts, h) for h in many], 32)
     assert values[0] == max(values)
     # speculation pays at batch 1, and at batch 32 only if some bin beats a plain step
     assert speculation_pays(ts, 1, 0.0105)

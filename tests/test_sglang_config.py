@@ -10,8 +10,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from entmtp_sglang.sglang.config import (ENV_GRAMMAR_DRAFT, ENV_TREE_SET, PIN_KEY, EntMtpConfig, pinned_index,
-                                         resolve_tree_set_path)
+from entmtp_sglang.sglang.config import (
+    ENV_GRAMMAR_DRAFT,
+    ENV_TREE_SET,
+    PIN_KEY,
+    EntMtpConfig,
+    pin_of,
+    resolve_tree_set_path,
+)
 from entmtp_sglang.tree.treeset import TreeSetError, shipped_tree_set
 
 
@@ -73,11 +79,15 @@ def test_the_set_must_bin_on_a_draft_signal(tmp_path, monkeypatch):
                 cfg.load_tree_set()
 
 
-def test_pinned_index_needs_every_request_to_agree():
-    names = {"chain:0": 0, "b0n4d3": 3}
-    assert pinned_index([{PIN_KEY: "b0n4d3"}] * 3, names) == (3, None)
-    assert pinned_index([{PIN_KEY: "chain:0"}], names) == (0, None)
-    assert pinned_index([{PIN_KEY: "b0n4d3"}, {PIN_KEY: "chain:0"}], names) == (None, None)
-    assert pinned_index([{PIN_KEY: "b0n4d3"}, None], names) == (None, None)
-    assert pinned_index([None, {}], names) == (None, None)
-    assert pinned_index([{PIN_KEY: "nope"}] * 2, names) == (None, "nope")
+def test_pin_of_reads_the_request_custom_params():
+    assert pin_of({PIN_KEY: "b0n4d3"}) == "b0n4d3"
+    assert pin_of({PIN_KEY: 3}) == "3"
+    assert pin_of({}) is None and pin_of(None) is None and pin_of("chain:0") is None
+
+
+def test_policy_setting_is_validated(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENTMTP_POLICY", "entmtp-bins")
+    assert EntMtpConfig.from_server_args(args(tmp_path)).policy == "entmtp-bins"
+    monkeypatch.setenv("ENTMTP_POLICY", "oracle")
+    with pytest.raises(ValueError, match="ENTMTP_POLICY must be one of"):
+        EntMtpConfig.from_server_args(args(tmp_path))

@@ -28,7 +28,7 @@ import torch
 from ..calibrate import CalibrationConfig, fit_cost_model, load_records, record_positions
 from ..engine.engine import Engine, StepView, static_chooser
 from ..model.load import load_bundle
-from ..policy.policies import AdaptiveEMAPolicy, Eagle2Policy, EntMTPPolicy, OraclePolicy, StaticPolicy
+from ..policy.policies import AdaptiveEMAPolicy, Eagle2Policy, OraclePolicy, StaticPolicy, entmtp_policy
 from ..policy.selector import speculation_pays
 from ..tasks import TASKS as PROMPT_TASKS
 from ..tasks import load_prompts
@@ -292,14 +292,12 @@ class Resources:
 
 
 def with_measured_costs(tree_set: TreeSet, cost_models: dict) -> TreeSet:
-    """`tree_set` with "no speculation" (chain:0, nothing accepted) added when missing, and every tree's
-    cost replaced by `cost_models[batch_size](tree)` (seconds per step measured on this machine).
+    """`tree_set` with every tree's cost replaced by `cost_models[batch_size](tree)` (seconds per step
+    measured on this machine); chain:0 (no speculation) is in every loaded set.
 
     EntMTP's selector then compares (expected accepted + 1) / cost at the live batch size across all
     trees and plain decoding, so it backs off to shallow trees or none when verification gets expensive."""
     entries = list(tree_set.trees)
-    if not any(e.tree.num_nodes == 1 for e in entries):
-        entries.insert(0, TreeEntry(Tree.chain(0), (0.0,) * tree_set.num_bins, {1: 1.0}))
     entries = [TreeEntry(e.tree, e.expected_accepted, {b: float(m(e.tree)) for b, m in cost_models.items()})
                for e in entries]
     return dataclasses.replace(tree_set, trees=tuple(entries),
@@ -415,7 +413,7 @@ class _EntMTP(ReferenceSystem):
                 cache[key], why = False, "no tree is expected to beat a plain step"
             else:
                 cache[key], why = self.res.admits(self.drafter, task, batch_size, max_new_tokens,
-                                                  lambda: EntMTPPolicy(ts))
+                                                  lambda: entmtp_policy(ts))
             self.res.ctx.log(f"[entmtp-{self.drafter}/{task}] batch {batch_size}: "
                              f"{'speculate' if cache[key] else 'plain decoding'} ({why})")
         return cache[key]
@@ -424,7 +422,7 @@ class _EntMTP(ReferenceSystem):
         if not self._speculates(streams.task, batch_size, max_new_tokens):
             return PLAIN_ONLY
         # run() connects the policy's observer: one tree per step for the whole batch
-        return EntMTPPolicy(self.res.tree_set(self.drafter, streams.task, self.batch_sizes))
+        return entmtp_policy(self.res.tree_set(self.drafter, streams.task, self.batch_sizes))
 
 
 class _Oracle(ReferenceSystem):

@@ -25,8 +25,17 @@ import importlib.util
 import tempfile
 from pathlib import Path
 
-from ..sglang.benchmark import ADAPTIVE, ENTMTP, FLOAT32, PLAIN, ServerPool, SystemSpec, concurrent_generate, \
-    generate_payload, spec_counts
+from ..sglang.benchmark import (
+    ADAPTIVE,
+    ENTMTP,
+    FLOAT32,
+    PLAIN,
+    ServerPool,
+    SystemSpec,
+    concurrent_generate,
+    generate_payload,
+    spec_counts,
+)
 from .systems import RequestOutcome, System, TaskStreams, register_system
 from .workload import BenchContext
 
@@ -70,7 +79,8 @@ class SGLangSystem(System):
 
     def __init__(self, ctx: BenchContext, spec: SystemSpec):
         self.ctx, self.spec = ctx, spec
-        self.tree_set, self.tree_nodes = entmtp_tree_set(ctx.model_dir) if spec.speculative == "ENTMTP" else (None, None)
+        self.tree_set, self.tree_nodes = (entmtp_tree_set(ctx.model_dir) if spec.speculative == "ENTMTP"
+                                          else (None, None))
         self._missing = sglang_missing()
 
     def supports(self, batch_size: int) -> str | None:

@@ -51,7 +51,8 @@ def prompt_set_digests() -> dict[str, str]:
     """sha256 (first 16 hex digits) of each shipped prompt-set file: the version the results refer to."""
     import hashlib
 
-    from ..tasks import TASKS as PROMPT_TASKS, prompts_dir
+    from ..tasks import TASKS as PROMPT_TASKS
+    from ..tasks import prompts_dir
 
     return {t: hashlib.sha256((prompts_dir() / f"{t}.jsonl").read_bytes()).hexdigest()[:16] for t in PROMPT_TASKS}
 

@@ -20,8 +20,8 @@ from ..model.llama import LlamaForCausalLM
 from ..tree import Tree
 from .batch_tree import pad_trees, tree_attention_mask
 from .draft import DraftState, make_drafting
-from .sampling import SamplingParams, entropy_nats, probs_from_logits, top_margin
-from .verify import NO_TOKEN, Accepted, verify_greedy, verify_sampling
+from .sampling import SamplingParams, entropy_nats, probs_from_logits, top_margin, top_probs
+from .verify import NO_TOKEN, Accepted, verify_greedy_batch, verify_sampling
 
 
 class RequestError(ValueError):
@@ -79,6 +79,7 @@ class StepView:
     batch_size: int
     position: int  # tokens committed so far
     draft_margin: float = 0.0  # drafter top-1 minus top-2 probability for the next position
+    draft_probs: tuple[float, ...] = ()  # the drafter's largest probabilities for the next position, descending
 
     def draft_value(self, signal: str) -> float:
         """This step's draft value for a tree set's signal: the margin for draft_margin, else the entropy."""
@@ -245,54 +246,73 @@ class Engine:
 
         while any(active):
             t0 = time.perf_counter()
-            state = drafting.begin(feats, roots)
-            legal = None
-            if any(g is not None for g in grammars) and grammar_drafting:
-                now = {i: g.root_mask() for i, g in enumerate(grammars) if g is not None and active[i]}
-                for i, m in now.items():
-                    state.root_logits[i] = state.root_logits[i].masked_fill(~m, float("-inf"))
-                legal = _GrammarDraftMasks(grammars, now, state.root_logits.shape[-1])
+            state, legal = self._begin_step(drafting, feats, roots, grammars, active, grammar_drafting)
             if observer is not None:  # after the grammar mask: it sees what the choosers' views carry
                 observer(state, lens, drafting, active)
-            d_ent = entropy_nats(state.root_logits)
-            d_margin = top_margin(state.root_logits)
-            trees = []
-            for i in range(b):
-                tree = Tree.chain(0)
-                if active[i]:
-                    view = StepView(i, float(d_ent[i]), tuple(results[i].steps), sum(active), int(lens[i]),
-                                    float(d_margin[i]))
-                    tree = chooser(view)
-                    tree.check_depth(drafting.max_depth, f"the {self.drafter_kind} drafter")
-                    if int(lens[i]) + tree.max_depth + 1 > self.context:
-                        tree = Tree.chain(0)  # no room left to speculate: plain decoding
-                trees.append(tree)
-            names = [t.name for t in trees]
-            accepted, hidden, logits = self._draft_verify(drafting, state, trees, lens, cache, sampling, gen,
-                                                          grammars, legal, active)
+            views, chosen = self._choose_trees(chooser, state, results, active, lens, drafting)
+            tokens, trees = self._draft(drafting, state, chosen, legal)  # trees: as pruned, for verification
+            accepted, hidden, logits = self._verify(tokens, trees, lens, cache, sampling, gen, grammars, active)
             feats, roots, commit = self._commit(accepted, hidden, lens, cache, state, active)
             if self.drafter_kind == "eagle":
                 drafting.commit(*commit)
-            seconds = time.perf_counter() - t0
-            for i in range(b):
-                if not active[i]:
-                    continue
-                acc, node_tokens = accepted[i]
-                ent = entropy_nats(logits[i, list(acc.nodes)]).nan_to_num(0.0).tolist()  # nan: nothing allowed
-                new = [node_tokens[n] for n in acc.nodes[1:]]
-                if acc.next_token != NO_TOKEN:
-                    new.append(acc.next_token)
-                r = results[i]
-                new = new[: max_new_tokens - len(r.output_ids)]
-                if self.eos is not None and self.eos in new:
-                    new = new[: new.index(self.eos) + 1]
-                if grammars[i] is not None:
-                    grammars[i].advance(new)
-                r.steps.append(StepRecord(names[i], trees[i].num_nodes, acc.num_accepted, ent,
-                                          float(d_ent[i]), seconds, float(d_margin[i])))
-                r.output_ids.extend(new)
-                active[i] = not self._finished(r, max_new_tokens, grammars[i])
+            self._record(results, views, [t.name for t in chosen], trees, accepted, logits, grammars, active,
+                         max_new_tokens, time.perf_counter() - t0)
         return results
+
+    # -- one decode step, in order ----------------------------------------------------------------
+    def _begin_step(self, drafting, feats, roots, grammars, active, grammar_drafting):
+        """The drafter's distribution for each request's next position (before any tree is chosen),
+        masked by the request's grammar when drafts are masked; and the grammar masks for drafting."""
+        state = drafting.begin(feats, roots)
+        legal = None
+        if any(g is not None for g in grammars) and grammar_drafting:
+            now = {i: g.root_mask() for i, g in enumerate(grammars) if g is not None and active[i]}
+            for i, m in now.items():
+                state.root_logits[i] = state.root_logits[i].masked_fill(~m, float("-inf"))
+            legal = _GrammarDraftMasks(grammars, now, state.root_logits.shape[-1])
+        return state, legal
+
+    def _choose_trees(self, chooser, state, results, active, lens, drafting):
+        """Each active request's tree from the chooser (chain:0 for finished rows and where the tree
+        would run past the context); returns the views the chooser saw and the trees."""
+        d_ent = entropy_nats(state.root_logits)
+        d_margin = top_margin(state.root_logits)
+        d_top = top_probs(state.root_logits).tolist()
+        views, trees = [], []
+        for i in range(len(results)):
+            view, tree = None, Tree.chain(0)
+            if active[i]:
+                view = StepView(i, float(d_ent[i]), tuple(results[i].steps), sum(active), int(lens[i]),
+                                float(d_margin[i]), tuple(d_top[i]))
+                tree = chooser(view)
+                tree.check_depth(drafting.max_depth, f"the {self.drafter_kind} drafter")
+                if int(lens[i]) + tree.max_depth + 1 > self.context:
+                    tree = Tree.chain(0)  # no room left to speculate: plain decoding
+            views.append(view)
+            trees.append(tree)
+        return views, trees
+
+    def _record(self, results, views, names, trees, accepted, logits, grammars, active, max_new_tokens, seconds):
+        """Append each active request's accepted tokens (cut at max_new_tokens and eos), advance its
+        grammar, log the step (under the chosen tree's name; its nodes as verified), and update `active`."""
+        for i, r in enumerate(results):
+            if not active[i]:
+                continue
+            acc, node_tokens = accepted[i]
+            ent = entropy_nats(logits[i, list(acc.nodes)]).nan_to_num(0.0).tolist()  # nan: nothing allowed
+            new = [node_tokens[n] for n in acc.nodes[1:]]
+            if acc.next_token != NO_TOKEN:
+                new.append(acc.next_token)
+            new = new[: max_new_tokens - len(r.output_ids)]
+            if self.eos is not None and self.eos in new:
+                new = new[: new.index(self.eos) + 1]
+            if grammars[i] is not None:
+                grammars[i].advance(new)
+            v = views[i]
+            r.steps.append(StepRecord(names[i], trees[i].num_nodes, acc.num_accepted, ent,
+                                      v.draft_entropy, seconds, v.draft_margin))
+            r.output_ids.extend(new)
+            active[i] = not self._finished(r, max_new_tokens, grammars[i])
 
     # ------------------------------------------------------------------------------------------
     def _finished(self, r: RequestResult, max_new_tokens: int, grammar=None) -> bool:
@@ -322,8 +342,10 @@ class Engine:
             return logits.argmax(-1)
         return torch.multinomial(probs_from_logits(logits, sampling), 1, generator=gen).squeeze(-1)
 
-    def _draft_verify(self, drafting, state: DraftState, trees: list, lens, cache, sampling, gen,
-                      grammars, legal, active):
+    def _draft(self, drafting, state: DraftState, trees: list, legal):
+        """Fill every node of each request's tree with a drafted token; an EAGLE-2 style tree keeps its most
+        confident nodes, and grammar-masked drafts lose the branches the grammar forbids. Returns the
+        (B, N) tokens (padded) and the trees as they will be verified."""
         wide = [t.wide if isinstance(t, DynamicTree) else t for t in trees]
         padded = pad_trees(wide)
         if legal is not None:
@@ -342,11 +364,17 @@ class Engine:
                 else:
                     new_trees.append(subtree(full, nodes))
                 new_tokens.append(tokens[i, nodes])
-            trees[:] = new_trees
-            padded = pad_trees(new_trees)
-            tokens = torch.zeros(padded.parents.shape, dtype=torch.int64)
+            trees = new_trees
+            tokens = torch.zeros(pad_trees(new_trees).parents.shape, dtype=torch.int64)
             for i, row in enumerate(new_tokens):
                 tokens[i, : len(row)] = row
+        return tokens, trees
+
+    def _verify(self, tokens: torch.Tensor, trees: list, lens, cache, sampling, gen, grammars, active):
+        """One target pass over every node of every tree (tree attention), the grammar masks applied to
+        the target's logits, and acceptance: greedy (longest path matching the target's argmax) or
+        recursive rejection sampling. Returns [(Accepted, node tokens)], hidden states, logits."""
+        padded = pad_trees(trees)
         b, n = tokens.shape
         positions = lens.view(b, 1) + padded.depths
         mask = tree_attention_mask(lens, padded)
@@ -359,18 +387,16 @@ class Engine:
                 masks = g.tree_masks(trees[i], tokens[i, :k].tolist())
                 logits[i, :k] = logits[i, :k].masked_fill(~masks, float("-inf"))
                 alive[i, :k] = masks.any(-1)  # False after a stop token or at a grammar dead end
+        sizes = [t.num_nodes for t in trees]
+        node_tokens = [row[:k] for row, k in zip(tokens.tolist(), sizes)]
+        if sampling.greedy:  # one batched call (kernels.verify_tree_greedy)
+            argmax = logits.argmax(-1).masked_fill(~alive, NO_TOKEN)
+            return list(zip(verify_greedy_batch(padded.parents, sizes, tokens, argmax), node_tokens)), hidden, logits
         accepted = []
-        if sampling.greedy:
-            argmax = logits.argmax(-1).masked_fill(~alive, NO_TOKEN).tolist()
         for i, tree in enumerate(trees):
-            node_tokens = tokens[i, : tree.num_nodes].tolist()
-            if sampling.greedy:
-                acc = verify_greedy(tree, node_tokens, argmax[i])
-            else:
-                probs = probs_from_logits(logits[i, : tree.num_nodes], sampling)
-                probs = probs.masked_fill(~alive[i, : tree.num_nodes, None], 0.0)
-                acc = verify_sampling(tree, node_tokens, probs, gen)
-            accepted.append((acc, node_tokens))
+            probs = probs_from_logits(logits[i, : tree.num_nodes], sampling)
+            probs = probs.masked_fill(~alive[i, : tree.num_nodes, None], 0.0)
+            accepted.append((verify_sampling(tree, node_tokens[i], probs, gen), node_tokens[i]))
         return accepted, hidden, logits
 
     def _commit(self, accepted: list[tuple[Accepted, list[int]]], hidden, lens, cache, state, active):

@@ -65,3 +65,11 @@ def top_margin(logits: torch.Tensor) -> torch.Tensor:
     top = torch.exp(x.topk(min(2, x.shape[-1]), -1).values - lse)  # the two largest probabilities
     second = top[..., 1] if top.shape[-1] > 1 else torch.zeros_like(top[..., 0])
     return (top[..., 0] - second).nan_to_num(0.0)
+
+
+def top_probs(logits: torch.Tensor, k: int = 6) -> torch.Tensor:
+    """(..., V) logits -> (..., k) the k largest probabilities of softmax(logits), descending (masked
+    entries count as 0; a row with nothing allowed gives zeros)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    return torch.exp(x.topk(min(k, x.shape[-1]), -1).values - lse).nan_to_num(0.0)

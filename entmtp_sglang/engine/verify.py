@@ -47,6 +47,16 @@ def verify_greedy(tree: Tree, tokens: list[int], target_argmax: list[int]) -> Ac
     return Accepted(tuple(nodes[0, : int(accept_len[0]) + 1].tolist()), int(next_token[0]))
 
 
+def verify_greedy_batch(parents: torch.Tensor, num_nodes: list[int], tokens: torch.Tensor,
+                        target_argmax: torch.Tensor) -> list[Accepted]:
+    """`verify_greedy` for a padded batch of trees in one `kernels.verify_tree_greedy` call: parents,
+    tokens and target_argmax (B, N), row b's nodes >= num_nodes[b] padding."""
+    accept_len, nodes, next_token = verify_tree_greedy(
+        parents.long(), torch.tensor(num_nodes, dtype=torch.int64), tokens.long(), target_argmax.long())
+    rows, lens, nxt = nodes.tolist(), accept_len.tolist(), next_token.tolist()
+    return [Accepted(tuple(rows[b][: lens[b] + 1]), nxt[b]) for b in range(len(num_nodes))]
+
+
 def verify_node_sampling(p: torch.Tensor, candidates: list[int], q: list[torch.Tensor | None],
                          generator: torch.Generator) -> tuple[int | None, int | None]:
     """Recursive rejection sampling over the sibling drafts of one node (SpecInfer / EAGLE).

@@ -1,9 +1,10 @@
 """Tree choosers behind one interface (`__call__(view) -> Tree`), so comparisons differ only in policy.
 
 * StaticPolicy       - one tree always.
-* EntMTPPolicy       - signal bins -> best expected tokens per second in the tree set (which may hold
-                       chain:0, no speculation), with acceptance feedback and hysteresis; one tree
-                       per step for the whole batch when given the engine's observer.
+* EntMTPPolicy       - the reference engine's side of `controller.TreeController`: signal bins or the
+                       per-node acceptance predictor -> the tree with the most expected tokens per
+                       second (chain:0, no speculation, included), with acceptance feedback and
+                       hysteresis; one tree per step for the whole batch when given the engine's observer.
 * AdaptiveEMAPolicy  - SGLang's `--speculative-adaptive` rule: an EMA of accepted length picks the
                        chain depth (same constants as sglang/srt/speculative/adaptive_spec_params.py).
 * OraclePolicy       - in hindsight, the best tree of the set at each step (the ceiling).
@@ -12,13 +13,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from ..engine.engine import StepView
+from ..engine.sampling import top_probs
 from ..tree import Tree
+from ..tree.acceptance import AcceptancePredictor
 from ..tree.construct import accepted_on
 from ..tree.treeset import TreeSet
-from .selector import acceptance_scale, select_batch_tree, select_tree
+from .controller import HYSTERESIS, RequestInput, TreeController
 from .signals import draft_signal, signal_value
 
 # SGLang 0.5.23 DEFAULT_ADAPTIVE_CONFIG and AdaptiveSpecParams defaults
@@ -29,7 +30,6 @@ SGLANG_ADAPTIVE = {
     64: {"candidate_steps": [0], "down_hysteresis": 0.0, "up_hysteresis": 0.0},
 }
 EMA_ALPHA, UPDATE_INTERVAL, WARMUP_BATCHES = 0.2, 5, 10
-HYSTERESIS = 0.02  # EntMTP keeps its tree unless another is expected to be this much faster
 
 
 # Policies keep per-request state keyed by the request's index in the batch; make a new policy object
@@ -45,99 +45,95 @@ class StaticPolicy:
         return self.tree
 
 
-@dataclass
-class _RequestSums:
-    """Acceptance feedback of one request (stream): sums over its verified steps."""
-
-    accepted: float = 0.0  # drafts accepted
-    expected: float = 0.0  # the tree set's E[accepted | bin, tree] for the same steps
-    pending: float | None = None  # E[accepted] of the step chosen last, until its result is seen
-    seen: int = 0  # steps of the current request already counted
-    history: tuple = ()  # the request's step records at its last call
-
-
 class EntMTPPolicy:
-    """EntMTP: signal bins -> the tree with the most expected tokens per second, with acceptance feedback.
-
-    At every step, for the active requests i (`selector.select_batch_tree`):
-
-        bin_i   = tree_set.bin_of(signal_i)                      # the set's signal (policy/signals.py)
-        scale_i = acceptance_scale(drafts i accepted so far, sum of E[accepted | bin, tree] of its steps)
-        tree    = argmax_T sum_i (min(scale_i * E[accepted | bin_i, T], depth T) + 1) / cost(T, batch)
-                  (the current tree is kept unless the best beats it by `hysteresis`)
-
-    The set may hold chain:0 (no speculation), so the policy backs off to it when verification costs
-    more than it returns (large batches, unpredictable text, or drafts accepted less than calibrated).
+    """EntMTP in the reference engine: the engine's step views -> `controller.TreeController`, which holds
+    the policy's state (expectations from signal bins or the per-node predictor, acceptance feedback,
+    hysteresis, one tree per batch step, chain:0 as the back-off).
 
     One tree for the whole batch when the engine's observer hook is connected
     (`engine.generate(prompts, n, policy, observer=policy.observe)`): the engine pads a batch to its
     widest tree, so one request's deep tree would make every request pay for it; and the cost is that of
     all the rows the engine computes (finished requests stay in the batch until it ends). Without the
-    observer, or with one request left, each request chooses from its own entropy. Target-entropy signals of the
-    other requests are one step old in batch mode (their histories as of their last call)."""
+    observer, or with one request left, each request chooses alone. Target-entropy signals of the other
+    requests are one step old in batch mode (their histories as of their last call).
+
+    Requests are keyed by their batch index; a new policy object per independent run. Consecutive generate
+    calls on the same policy continue the same streams (the acceptance feedback carries over)."""
 
     def __init__(self, tree_set: TreeSet, window: int = 8, hysteresis: float = HYSTERESIS,
-                 feedback: bool = True):
+                 feedback: bool = True, predictor: AcceptancePredictor | None = None):
         self.tree_set = tree_set
         self.window = window
-        self.hysteresis = hysteresis
-        self.feedback = feedback
-        self.requests: dict[int, _RequestSums] = {}
-        self.current: dict[int, int] = {}  # per-request choice (choosing alone)
-        self.shared: int | None = None  # the batch's choice (batch mode)
-        self._observed: list[float] | None = None  # this step's draft value (signal_value) per batch row
+        self.controller = TreeController(tree_set, hysteresis, feedback, predictor)
+        self._seen: dict[int, int] = {}  # request -> steps of its current segment already recorded
+        self._history: dict[int, tuple] = {}  # request -> its step records at its last call
+        self._observed: list[float] | None = None  # this step's draft value per batch row (batch mode)
+        self._observed_probs: list[list[float]] | None = None  # this step's depth-1 top-k probabilities
         self._active: list[int] = []
         self._rows: int | None = None  # rows the engine computes this step (finished requests included)
         self._step_choice: int | None = None
-        self.name = "entmtp"
+        self.name = "entmtp" if predictor is None else "entmtp-predictor"
+
+    @property
+    def predictor(self) -> AcceptancePredictor | None:
+        return self.controller.predictor
 
     def observe(self, state, lens, drafting, active) -> None:
         """The engine's observer: every request's drafter distribution, before any tree is chosen."""
         self._active = [i for i, a in enumerate(active) if a]
         self._rows = len(active)
-        self._observed = (draft_signal(self.tree_set.signal, state.root_logits).tolist()
-                          if len(self._active) > 1 else None)
+        batch = len(self._active) > 1
+        self._observed = draft_signal(self.tree_set.signal, state.root_logits).tolist() if batch else None
+        self._observed_probs = (top_probs(state.root_logits).tolist()
+                                if batch and self.predictor is not None else None)
         self._step_choice = None
 
     def scale(self, index: int) -> float:
-        st = self.requests.get(index)
-        if not self.feedback or st is None:
-            return 1.0
-        return acceptance_scale(st.accepted, st.expected)
+        return self.controller.scale(index)
 
     def _signal(self, draft: float, history) -> float:
         return signal_value(self.tree_set.signal, draft, history, self.window)
 
     def __call__(self, view: StepView) -> Tree:
-        st = self.requests.setdefault(view.index, _RequestSums())
-        if len(view.history) < st.seen:  # a new request (segment) of the same stream: keep the sums
-            st.pending = None
-        elif st.pending is not None and len(view.history) > st.seen:
-            st.accepted += view.history[-1].accepted
-            st.expected += st.pending
-            st.pending = None
-        st.seen, st.history = len(view.history), view.history
-        ts = self.tree_set
+        seen = self._seen.get(view.index, 0)
+        if len(view.history) < seen:  # a new request (segment) of the same stream: keep the feedback
+            self.controller.record(view.index, None)
+        elif len(view.history) > seen:
+            self.controller.record(view.index, view.history[-1].accepted)
+        self._seen[view.index] = len(view.history)
+        self._history[view.index] = view.history
         # a step costs what the engine computes: every row of the batch, finished requests included
         rows = self._rows or view.batch_size
         if self._observed is not None and view.index in self._active:
             if self._step_choice is None:
-                signals = [self._signal(self._observed[i], self.requests[i].history if i in self.requests else ())
-                           for i in self._active]
-                scales = [self.scale(i) for i in self._active]
-                self._step_choice = select_batch_tree(ts, signals, rows, scales, self.shared,
-                                                      self.hysteresis)
-                self.shared = self._step_choice
+                inputs = [RequestInput(i, self._signal(self._observed[i], self._history.get(i, ())),
+                                       tuple(self._observed_probs[i]) if self._observed_probs else ())
+                          for i in self._active]
+                self._step_choice = self.controller.choose(inputs, rows)
             idx = self._step_choice
-            h = self._signal(self._observed[view.index], view.history)
         else:
-            h = self._signal(view.draft_value(ts.signal), view.history)
-            idx = select_tree(ts, h, rows, self.current.get(view.index), self.hysteresis,
-                              scale=self.scale(view.index))
-            self.current[view.index] = idx
-        entry = ts.trees[idx]
-        st.pending = entry.expected_accepted[ts.bin_of(h)]
-        return entry.tree
+            mine = RequestInput(view.index, self._signal(view.draft_value(self.tree_set.signal), view.history),
+                                view.draft_probs)
+            idx = self.controller.choose([mine], rows, group=view.index)
+        return self.tree_set.trees[idx].tree
+
+
+ENTMTP_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor")
+DEFAULT_USES_PREDICTOR = True  # `entmtp` = entmtp-predictor where the set carries a predictor (README: why)
+
+
+def entmtp_policy(tree_set: TreeSet, kind: str = "entmtp", **kwargs) -> EntMTPPolicy:
+    """The EntMTP policy by name: `entmtp-bins` (the set's signal bins), `entmtp-predictor` (its per-node
+    acceptance predictor; ValueError when it carries none) or `entmtp` (the default: the predictor when the
+    set carries one and DEFAULT_USES_PREDICTOR, else the bins)."""
+    if kind not in ENTMTP_POLICIES:
+        raise ValueError(f"unknown EntMTP policy {kind!r}; choose from {', '.join(ENTMTP_POLICIES)}")
+    if kind == "entmtp-predictor" and tree_set.predictor is None:
+        raise ValueError(f"the {tree_set.drafter}/{tree_set.task} tree set carries no acceptance predictor; refit "
+                         "it with `entmtp calibrate ... --records-only`, or use entmtp-bins")
+    use = kind == "entmtp-predictor" or (kind == "entmtp" and DEFAULT_USES_PREDICTOR)
+    pred = AcceptancePredictor.from_json(tree_set.predictor) if use and tree_set.predictor is not None else None
+    return EntMTPPolicy(tree_set, predictor=pred, **kwargs)
 
 
 class AdaptiveEMAPolicy:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from ..tree.acceptance import AcceptancePredictor
 from ..tree.treeset import TreeSet
 
 # Acceptance feedback (`acceptance_scale`): a request's realized accepted drafts over the tree set's
@@ -41,25 +42,39 @@ def tree_values(tree_set: TreeSet, bin_index: int, batch_size: int) -> list[floa
     return [t.tokens_per_second(bin_index, batch_size) for t in tree_set.trees]
 
 
-def batch_tokens(tree_set: TreeSet, bins: Sequence[int], scales: Sequence[float] | None = None) -> list[float]:
+def binned_expected(tree_set: TreeSet, signal: float) -> list[float]:
+    """E[accepted | bin of `signal`, T] for every tree T of the set (the set's calibrated table)."""
+    b = tree_set.bin_of(signal)
+    return [t.expected_accepted[b] for t in tree_set.trees]
+
+
+def predicted_expected(tree_set: TreeSet, predictor: AcceptancePredictor, probs) -> list[float]:
+    """E[accepted | draft probabilities, T] for every tree T of the set, from the per-node predictor
+    (`probs[d]`: the top-k draft probabilities known at depth d + 1; at least depth 1)."""
+    return [predictor.expected_accepted(t.tree, probs) for t in tree_set.trees]
+
+
+def batch_tokens(tree_set: TreeSet, expected: Sequence[Sequence[float]],
+                 scales: Sequence[float] | None = None) -> list[float]:
     """Expected tokens of one batch step if every request runs tree T, for each T:
 
-        tokens[T] = sum_i min(scale_i * E[accepted | bin_i, T], depth(T)) + 1
-    """
-    scales = [1.0] * len(bins) if scales is None else scales
-    if len(scales) != len(bins):
-        raise ValueError(f"{len(bins)} signal bins but {len(scales)} acceptance scales")
-    return [sum(min(s * t.expected_accepted[b], t.tree.max_depth) + 1.0 for b, s in zip(bins, scales))
-            for t in tree_set.trees]
+        tokens[T] = sum_i min(scale_i * expected_i[T], depth(T)) + 1
+
+    expected_i: one request's E[accepted] per tree (`binned_expected` or `predicted_expected`)."""
+    scales = [1.0] * len(expected) if scales is None else scales
+    if len(scales) != len(expected):
+        raise ValueError(f"{len(expected)} requests but {len(scales)} acceptance scales")
+    return [sum(min(s * e[k], t.tree.max_depth) + 1.0 for e, s in zip(expected, scales))
+            for k, t in enumerate(tree_set.trees)]
 
 
-def batch_values(tree_set: TreeSet, bins: Sequence[int], batch_size: int,
+def batch_values(tree_set: TreeSet, expected: Sequence[Sequence[float]], batch_size: int,
                  scales: Sequence[float] | None = None) -> list[float]:
     """Expected tokens per second of the whole batch if every request runs tree T, for each T:
 
         values[T] = tokens[T] / cost(T, batch_size)        (tokens from `batch_tokens`)
     """
-    tokens = batch_tokens(tree_set, bins, scales)
+    tokens = batch_tokens(tree_set, expected, scales)
     return [k / t.cost(batch_size) for k, t in zip(tokens, tree_set.trees)]
 
 
@@ -68,24 +83,33 @@ def _allowed(tree_set: TreeSet, max_nodes: int | None) -> list[int]:
     return allowed or [min(range(len(tree_set.trees)), key=lambda i: tree_set.trees[i].tree.num_nodes)]
 
 
-def select_batch_tree(tree_set: TreeSet, signals: Sequence[float], batch_size: int,
-                      scales: Sequence[float] | None = None, current: int | None = None,
-                      hysteresis: float = 0.0, max_nodes: int | None = None) -> int:
+def select_by_expected(tree_set: TreeSet, expected: Sequence[Sequence[float]], batch_size: int,
+                       scales: Sequence[float] | None = None, current: int | None = None,
+                       hysteresis: float = 0.0, max_nodes: int | None = None) -> int:
     """Index of the one tree for a whole batch step (chain:0, if in the set, means no speculation):
 
-        bins = [bin_of(h) for h in signals]          # the set's signal, one per active request
-        values = batch_values(bins, batch_size, scales)      # over trees within max_nodes
+        values = batch_values(expected, batch_size, scales)      # over trees within max_nodes
         best = argmax(values)
         return current if values[current] * (1 + hysteresis) >= values[best] else best
     """
-    if not signals:
-        raise ValueError("select_batch_tree needs the signal of at least one request")
-    values = batch_values(tree_set, [tree_set.bin_of(h) for h in signals], batch_size, scales)
+    if not expected:
+        raise ValueError("the selector needs the expectations of at least one request")
+    values = batch_values(tree_set, expected, batch_size, scales)
     allowed = _allowed(tree_set, max_nodes)
     best = max(allowed, key=lambda i: values[i])
     if current is not None and current in allowed and values[current] * (1 + hysteresis) >= values[best]:
         return current
     return best
+
+
+def select_batch_tree(tree_set: TreeSet, signals: Sequence[float], batch_size: int,
+                      scales: Sequence[float] | None = None, current: int | None = None,
+                      hysteresis: float = 0.0, max_nodes: int | None = None) -> int:
+    """`select_by_expected` with each request's expectations from its signal bin (`binned_expected`)."""
+    if not signals:
+        raise ValueError("select_batch_tree needs the signal of at least one request")
+    return select_by_expected(tree_set, [binned_expected(tree_set, h) for h in signals], batch_size, scales,
+                              current, hysteresis, max_nodes)
 
 
 def select_tree(tree_set: TreeSet, signal: float, batch_size: int, current: int | None = None,

@@ -2,7 +2,8 @@
 
 Every system is the same SGLang build on the same machine with the same prompts: one server per system,
 all started before measuring, then measured in turn (interleaved; median tokens/s over repeats), greedy,
-at each batch size (batch b = b requests in flight at once, kept full until the prompt list is done). Reported per system and batch size: output tokens/s (wall clock
+at each batch size (batch b = b requests in flight at once, kept full until the prompt list is done).
+Reported per system and batch size: output tokens/s (wall clock
 over the whole prompt list), mean accepted length (SGLang's `spec_accept_length`: tokens per verify step,
 bonus included), and for ENTMTP the histogram of trees chosen. Also checks greedy equality with the
 no-speculation server's outputs (float32 keeps ties out; see tests/test_sglang_server.py).
@@ -29,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..tasks import load_prompts
-from .serve import SGLangServer, ServerError
+from .serve import ServerError, SGLangServer
 
 FLOAT32 = ("--dtype", "float32")  # float32 keeps near-tied argmaxes from flipping between batch shapes
 
@@ -107,7 +108,8 @@ class ServerPool:
         t0 = time.perf_counter()
         try:
             for spec in todo:
-                srv = self.servers[spec.name] = spec.server(self.log_dir, self.device_args, *((self.model,) if self.model else ())).start(wait=False)
+                model = (self.model,) if self.model else ()
+                srv = self.servers[spec.name] = spec.server(self.log_dir, self.device_args, *model).start(wait=False)
                 proc = getattr(srv, "proc", None)
                 self.started.append((spec.name, proc.pid if proc is not None else -1, getattr(srv, "port", -1)))
             for spec in todo:

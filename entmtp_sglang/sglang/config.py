@@ -3,8 +3,10 @@
 The tree set comes from, in order: the `ENTMTP_TREE_SET` environment variable, SGLang's
 `--speculative-adaptive-config FILE` when FILE is an EntMTP tree set (JSON with
 `"format": "entmtp-tree-set"`), or the shipped EAGLE set for the served model's directory name
-(`entmtp_sglang/trees/<name>-eagle-mixed.json`: entmtp-tiny, smollm2-135m-instruct). `ENTMTP_GRAMMAR_DRAFT=0` turns off the grammar-masked
-entropy and drafts of constrained requests (on by default; needs the overlap scheduler off, as on CPU).
+(`entmtp_sglang/trees/<name>-eagle-mixed.json`: entmtp-tiny, smollm2-135m-instruct). `ENTMTP_GRAMMAR_DRAFT=0`
+turns off the grammar-masked entropy and drafts of constrained requests (on by default; needs the overlap
+scheduler off, as on CPU). `ENTMTP_POLICY` picks how trees are scored: `entmtp` (default: the set's per-node
+acceptance predictor when it carries one, else its signal bins), `entmtp-bins` or `entmtp-predictor`.
 """
 
 from __future__ import annotations
@@ -18,18 +20,18 @@ from ..tree.treeset import FORMAT, TreeSet, TreeSetError, load_tree_set, shipped
 
 ENV_TREE_SET = "ENTMTP_TREE_SET"
 ENV_GRAMMAR_DRAFT = "ENTMTP_GRAMMAR_DRAFT"   # "0" turns grammar-aware drafting and entropy off
+ENV_POLICY = "ENTMTP_POLICY"
 PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
+SERVER_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor")
 
 
-def pinned_index(custom_params: list, index_by_name: dict[str, int]) -> tuple[int | None, str | None]:
-    """The tree a batch's requests pin (`custom_params = {"entmtp_tree": NAME}`: in-situ cost measurement
-    and debugging), as (index, None); honoured only when every request pins the same tree. A name not in
-    the set gives (None, name), so the caller can warn; no pin or disagreeing pins give (None, None)."""
-    names = {p.get(PIN_KEY) if isinstance(p, dict) else None for p in custom_params}
-    if len(names) != 1 or None in names:
-        return None, None
-    name = names.pop()
-    return (index_by_name[name], None) if name in index_by_name else (None, name)
+def pin_of(custom_params) -> str | None:
+    """The tree a request pins (`custom_params = {"entmtp_tree": NAME}`: in-situ cost measurement and
+    debugging), or None. The controller honours a pin when every request of the batch pins the same tree."""
+    name = custom_params.get(PIN_KEY) if isinstance(custom_params, dict) else None
+    return None if name is None else str(name)
+
+
 DEFAULT_DRAFTER = "eagle"
 SGLANG_SIGNALS = ("draft_entropy", "draft_margin")  # signals the worker computes from the draft logits
 DEFAULT_TASK = "mixed"
@@ -59,8 +61,11 @@ class EntMtpConfig:
     max_nodes: int | None = None
     log_interval_s: float = 30.0
     grammar_drafting: bool = True   # constrained requests: grammar-masked entropy and drafts
+    policy: str = "entmtp"          # SERVER_POLICIES
 
     def __post_init__(self):
+        if self.policy not in SERVER_POLICIES:
+            raise ValueError(f"{ENV_POLICY} must be one of {', '.join(SERVER_POLICIES)}, got {self.policy!r}")
         if not 0 <= self.hysteresis < 1:
             raise ValueError(f"hysteresis must lie in [0, 1), got {self.hysteresis}")
         if self.max_nodes is not None and self.max_nodes < 1:
@@ -75,12 +80,17 @@ class EntMtpConfig:
         flag = os.environ.get(ENV_GRAMMAR_DRAFT, "1").strip().lower()
         if flag not in ("0", "1", "false", "true", "off", "on"):
             raise ValueError(f"{ENV_GRAMMAR_DRAFT} must be 0 or 1, got {flag!r}")
-        return cls(tree_set_path=path, model_name=model, grammar_drafting=flag in ("1", "true", "on"))
+        return cls(tree_set_path=path, model_name=model, grammar_drafting=flag in ("1", "true", "on"),
+                   policy=os.environ.get(ENV_POLICY, "entmtp").strip().lower() or "entmtp")
 
     def load_tree_set(self) -> TreeSet:
         """Load and validate; the error names the file and the problem (wrong model, bad node, ...)."""
         try:
             ts = load_tree_set(self.tree_set_path, model=self.model_name, drafter=DEFAULT_DRAFTER)
+            if self.policy == "entmtp-predictor" and ts.predictor is None:
+                raise TreeSetError(f"{self.tree_set_path} carries no acceptance predictor, which "
+                                   f"{ENV_POLICY}=entmtp-predictor needs (entmtp calibrate ... --records-only "
+                                   "fits one)")
             if ts.signal not in SGLANG_SIGNALS:
                 raise TreeSetError(f"{self.tree_set_path}: signal {ts.signal!r}: inside SGLang ENTMTP bins on "
                                    f"the draft's own logits, one of {SGLANG_SIGNALS}")

@@ -120,7 +120,8 @@ def main(argv: list[str] | None = None) -> None:
     out.save(args.out or path)
     print(f"wrote {args.out or path} in {(time.monotonic() - t0) / 60:.1f} min")
     for t in trees:
-        print(f"  {t.tree.name:10s} " + "  ".join(f"b{b}: {1000 * c:.1f} ms" for b, c in sorted(t.cost_seconds.items())))
+        costs = "  ".join(f"b{b}: {1000 * c:.1f} ms" for b, c in sorted(t.cost_seconds.items()))
+        print(f"  {t.tree.name:10s} {costs}")
 
 
 if __name__ == "__main__":

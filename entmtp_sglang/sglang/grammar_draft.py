@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from ..engine.sampling import top_probs
 from ..policy.signals import draft_signal
 
 logger = logging.getLogger("entmtp_sglang.sglang")
@@ -90,14 +91,16 @@ def grammar_topk(logits: torch.Tensor, grammar, path: Sequence[int], k: int, voc
     return torch.topk(masked_logits(logits, grammar, bitmask), k).indices
 
 
-def grammar_signal(logits: torch.Tensor, grammar, vocab_size: int, kind: str = "draft_entropy") -> float | None:
+def grammar_signal(logits: torch.Tensor, grammar, vocab_size: int, kind: str = "draft_entropy",
+                   with_probs: bool = False):
     """A draft signal (`policy.signals.draft_signal`: entropy in nats, or top-1 margin) of softmax(logits)
     restricted to the tokens the grammar allows next (renormalised); None when the grammar gives no
-    guidance or allows nothing."""
+    guidance or allows nothing. `with_probs`: (signal, the masked top-k probabilities) instead."""
     bitmask = path_bitmask(grammar, (), vocab_size)
     if bitmask is None:
         return None
     row = masked_logits(logits, grammar, bitmask)
     if not torch.isfinite(row).any():
         return None
-    return float(draft_signal(kind, row.float().unsqueeze(0))[0])
+    value = float(draft_signal(kind, row.float().unsqueeze(0))[0])
+    return (value, tuple(top_probs(row.unsqueeze(0))[0].tolist())) if with_probs else value

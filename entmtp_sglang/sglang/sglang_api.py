@@ -25,6 +25,6 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["AttentionBackend", "CustomSpecAlgo", "EAGLEWorkerV2", "ForwardContext", "KVWriteLoc",
+__all__ = ["AttentionBackend", "CustomSpecAlgo", "EAGLEWorkerV2", "ForwardContext", "KVWriteLoc",  # noqa: F822 (lazy)
            "SpeculativeAlgorithm", "forward_context", "get_context", "per_step_draft_out_cache_loc",
            "spec_registry"]

@@ -6,11 +6,11 @@ same tree):
    its next root distribution, computed from the logits the draft-extend pass already produced (no extra
    forward). For a request under a grammar (`json_schema`, `regex`, `ebnf`) it is taken over the tokens
    the grammar allows next (grammar_draft.py);
-2. `select_batch_tree(tree_set, signals, batch_size, scales)` (the same pure selector as the reference
-   engine's batch policy, with hysteresis) picks one tree for the batch from every request's signal bin
-   and its acceptance feedback (accepted drafts so far over the set's expectation); chain:0 in the set
-   means this step decodes without speculation. The tree's node count becomes this step's
-   `speculative_num_draft_tokens`;
+2. `TreeController.choose` (policy/controller.py: the same policy object as the reference engine's, with
+   its acceptance feedback, hysteresis, pins and room cap) picks one tree for the batch from every
+   request's signal bin or, when the set carries an acceptance predictor, its depth-1 draft
+   probabilities; chain:0 in the set means this step decodes without speculation. The tree's node count
+   becomes this step's `speculative_num_draft_tokens`;
 3. the draft expands that tree level by level (each drafted node attends exactly to its ancestors, via
    `entmtp_torch`'s per-row draft slots); a constrained request's drafts are the top-k among the tokens its
    grammar allows after the node's path. The draft hands SGLang the same candidate encoding EAGLE uses, so
@@ -28,13 +28,13 @@ import time
 
 import torch
 
-from ..policy.selector import acceptance_scale, select_batch_tree
+from ..engine.sampling import top_probs
+from ..policy.controller import RequestInput, TreeController
 from ..policy.signals import draft_signal, least_predictable
-from .attention import MultiStepDraftBackend
-from .config import EntMtpConfig, pinned_index
-from .sglang_api import (EAGLEWorkerV2, ForwardContext, forward_context, get_context,
-                         per_step_draft_out_cache_loc)
 from . import grammar_draft, visibility
+from .attention import MultiStepDraftBackend
+from .config import EntMtpConfig, pin_of
+from .sglang_api import EAGLEWorkerV2, ForwardContext, forward_context, get_context, per_step_draft_out_cache_loc
 from .tree_plan import plan_tree
 
 logger = logging.getLogger("entmtp_sglang.sglang")
@@ -49,8 +49,11 @@ class EntMtpWorker(EAGLEWorkerV2):
         # num_steps + 1 wide and must not exceed the tree's node count.
         self.plans = [plan_tree(t.tree, self.topk, t.tree.max_depth) for t in self.tree_set.trees]
         self.signal = self.tree_set.signal         # draft_entropy or draft_margin (config checks)
+        self.controller = TreeController.for_tree_set(self.tree_set, self.config.policy != "entmtp-bins",
+                                                      hysteresis=self.config.hysteresis,
+                                                      max_nodes=self.config.max_nodes)
         self.signals: dict[str, float] = {}        # rid -> latest draft signal value
-        self.current: int | None = None
+        self.probs: dict[str, tuple] = {}          # rid -> latest depth-1 top-k draft probabilities
         self.histogram = collections.Counter()
         self.steps = 0
         self.last_log = time.monotonic()
@@ -59,8 +62,6 @@ class EntMtpWorker(EAGLEWorkerV2):
         self._warned: set = set()
         self._last_extend = None
         self._step_reqs: list = []
-        self._step_expected: list[float] | None = None   # E[accepted] of each request under this step's tree
-        self.feedback: dict[str, tuple[float, float]] = {}  # rid -> (accepted drafts, expected drafts)
         self._root_logits: dict[str, torch.Tensor] = {}   # rid -> draft root logits, constrained requests
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
         # The grammar objects are read (and rolled back) on this thread; under the overlap scheduler the
@@ -91,29 +92,17 @@ class EntMtpWorker(EAGLEWorkerV2):
 
     def _choose(self, batch) -> None:
         reqs = batch.reqs
-        plan, h, expected = None, float("nan"), None
+        plan, h = None, float("nan")
         try:
             self._grammar_signals(batch, reqs)
             unknown = least_predictable(self.signal)
-            hs = [self.signals.get(r.rid, unknown) for r in reqs]
-            known = [x for x in hs if x != unknown]
+            inputs = [RequestInput(r.rid, self.signals.get(r.rid, unknown), self.probs.get(r.rid, ()), self._room(r),
+                                   self._pin(r)) for r in reqs]
+            known = [x.signal for x in inputs if x.signal != unknown]
             h = sum(known) / len(known) if known else unknown
-            room = min(self._room(r) for r in reqs)
-            cap = room if self.config.max_nodes is None else min(room, self.config.max_nodes)
-            pinned = self._pinned(reqs)
-            if pinned is not None and self.plans[pinned].num_nodes <= cap:
-                idx = pinned
-            elif cap >= min(p.num_nodes for p in self.plans):
-                scales = [acceptance_scale(*self.feedback.get(r.rid, (0.0, 0.0))) for r in reqs]
-                idx = select_batch_tree(self.tree_set, hs, len(reqs), scales, self.current,
-                                        self.config.hysteresis, max_nodes=cap)
-                self.current = idx
-            else:
-                idx = None
+            idx = self.controller.choose(inputs, len(reqs))
             if idx is not None:
                 plan = self.plans[idx]
-                entry = self.tree_set.trees[idx]
-                expected = [entry.expected_accepted[self.tree_set.bin_of(x)] for x in hs]
         except Exception:   # the policy must never fail a request: decode plainly this step
             logger.exception("ENTMTP: tree choice failed; this step decodes without speculation")
         self._plan = plan
@@ -122,7 +111,6 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.histogram[name] += 1
         self.steps += 1
         self._step_reqs = list(reqs)
-        self._step_expected = expected if plan is not None and plan.num_steps > 0 else None
         for r in reqs:
             visibility.note(r, visibility.TREES, name)
         dw = self._draft_worker
@@ -143,14 +131,16 @@ class EntMtpWorker(EAGLEWorkerV2):
             logger.info("ENTMTP trees chosen over %d steps: %s (last batch mean %s %.2f)", self.steps,
                         ", ".join(f"{k}={v}" for k, v in self.histogram.most_common()), self.signal, h)
 
-    def _pinned(self, reqs) -> int | None:
-        params = [getattr(getattr(r, "sampling_params", None), "custom_params", None) for r in reqs]
-        index, unknown = pinned_index(params, self._index_by_name)
-        if unknown is not None and unknown not in self._warned:
-            self._warned.add(unknown)
-            logger.warning("ENTMTP: requests pin tree %r, which is not in the tree set (%s); ignored", unknown,
-                           ", ".join(self._index_by_name))
-        return index
+    def _pin(self, req) -> str | None:
+        """The tree this request pins, if the set holds it (an unknown name is logged once and ignored)."""
+        name = pin_of(getattr(getattr(req, "sampling_params", None), "custom_params", None))
+        if name is not None and name not in self._index_by_name:
+            if name not in self._warned:
+                self._warned.add(name)
+                logger.warning("ENTMTP: requests pin tree %r, which is not in the tree set (%s); ignored", name,
+                               ", ".join(self._index_by_name))
+            return None
+        return name
 
     def _grammar_signals(self, batch, reqs) -> None:
         """Constrained requests: grammar-masked signal of the stored root logits, now that the grammar has
@@ -164,14 +154,14 @@ class EntMtpWorker(EAGLEWorkerV2):
             if g is None or logits is None:
                 continue
             try:
-                h = grammar_draft.grammar_signal(logits, g, getattr(g, "vocab_size", logits.shape[-1]),
-                                                 self.signal)
+                masked = grammar_draft.grammar_signal(logits, g, getattr(g, "vocab_size", logits.shape[-1]),
+                                                      self.signal, with_probs=True)
             except Exception:
                 logger.exception("ENTMTP: grammar-masked %s failed for %s; using the unmasked one",
                                  self.signal, r.rid)
                 continue
-            if h is not None:
-                self.signals[r.rid] = h
+            if masked is not None:
+                self.signals[r.rid], self.probs[r.rid] = masked
             self._grammars[i] = g
 
     def _room(self, req) -> int:
@@ -182,13 +172,10 @@ class EntMtpWorker(EAGLEWorkerV2):
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int = 0) -> None:
         super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size)
         reqs, self._step_reqs = self._step_reqs, []
-        expected, self._step_expected = self._step_expected, None
         if len(reqs) == len(num_correct_drafts_per_req):
-            for i, (r, n) in enumerate(zip(reqs, num_correct_drafts_per_req)):
+            for r, n in zip(reqs, num_correct_drafts_per_req):
                 visibility.note(r, visibility.ACCEPTED, int(n))
-                if expected is not None:    # acceptance feedback: realized vs calibrated, per request
-                    acc, exp = self.feedback.get(r.rid, (0.0, 0.0))
-                    self.feedback[r.rid] = (acc + int(n), exp + expected[i])
+                self.controller.record(r.rid, int(n))   # acceptance feedback: realized vs expected
 
     def _record_signals(self, batch) -> None:
         out = self._last_extend
@@ -199,8 +186,10 @@ class EntMtpWorker(EAGLEWorkerV2):
         if logits.shape[0] != len(batch.reqs):
             return
         h = draft_signal(self.signal, logits.float())
+        top = top_probs(logits).tolist()
         for i, (r, v) in enumerate(zip(batch.reqs, h.tolist())):
             self.signals[r.rid] = v
+            self.probs[r.rid] = tuple(top[i])
             if self.grammar_drafting and grammar_draft.live_grammar(r) is not None:
                 self._root_logits[r.rid] = logits[i].detach().float().clone()
             else:
@@ -208,8 +197,9 @@ class EntMtpWorker(EAGLEWorkerV2):
         if len(self.signals) > 4 * max(64, len(batch.reqs)):
             live = {r.rid for r in batch.reqs}
             self.signals = {k: v for k, v in self.signals.items() if k in live}
+            self.probs = {k: v for k, v in self.probs.items() if k in live}
             self._root_logits = {k: v for k, v in self._root_logits.items() if k in live}
-            self.feedback = {k: v for k, v in self.feedback.items() if k in live}
+            self.controller.keep_only(live)
 
     # -- drafting a fixed tree ----------------------------------------------------------------------
     def _draft_forward_tree(self, forward_batch):

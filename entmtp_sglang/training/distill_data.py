@@ -27,23 +27,27 @@ import time
 from pathlib import Path
 
 from ..tasks import load_prompts
-from .corpus import CODE_VAL_FILES, _is_english, _split_of, load_schemas, sharegpt_conversations, stdlib_files
+from .corpus import CODE_VAL_FILES, _is_english, load_schemas, sharegpt_conversations, stdlib_files
 from .json_docs import schema_prompt, schema_title
 from .sources import WheelData
 
 TASK_SHARE = {"chat": 0.36, "code": 0.26, "math": 0.16, "json": 0.22}
 
 _MATH_TEMPLATES = (
-    "{n1} has {a} {thing}. {n2} gives {n1} {b} more, and then {n1} gives away {c}. How many {thing} does {n1} have now?",
-    "A shop sells {thing} for ${a} each. {n1} buys {b} of them and pays with a ${big} bill. How much change does {n1} get?",
-    "{n1} reads {a} pages a day for {b} days and then {c} pages on the last day. How many pages did {n1} read in total?",
+    "{n1} has {a} {thing}. {n2} gives {n1} {b} more, and then {n1} gives away {c}. "
+    "How many {thing} does {n1} have now?",
+    "A shop sells {thing} for ${a} each. {n1} buys {b} of them and pays with a ${big} bill. "
+    "How much change does {n1} get?",
+    "{n1} reads {a} pages a day for {b} days and then {c} pages on the last day. "
+    "How many pages did {n1} read in total?",
     "A train travels {a} miles per hour for {b} hours, then {c} miles per hour for {d} hours. How far does it go?",
     "{n1} saves ${a} every week. After {b} weeks {n1} spends ${c} on {thing}. How much money is left?",
     "There are {a} rows of {thing} with {b} in each row. {c} of them are taken away. How many are left?",
     "{n1} is {a} years old. {n2} is {b} years older than twice {n1}'s age. How old will {n2} be in {c} years?",
     "A recipe needs {a} cups of flour for {b} cookies. How many cups of flour are needed for {big} cookies?",
     "{n1} earns ${a} an hour and works {b} hours a day, {c} days a week. How much does {n1} earn in {d} weeks?",
-    "A tank holds {big} liters. It is filled at {a} liters per minute and leaks {b} liters per minute. How many minutes until it is full?",
+    "A tank holds {big} liters. It is filled at {a} liters per minute and leaks {b} liters per minute. "
+    "How many minutes until it is full?",
 )
 _NAMES = ("Ava", "Ben", "Carla", "Dev", "Elena", "Farid", "Grace", "Hiro", "Ines", "Jonas", "Kemi", "Liam")
 _THINGS = ("apples", "marbles", "stickers", "pencils", "books", "cupcakes", "tickets", "stamps", "shells")

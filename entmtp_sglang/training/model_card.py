@@ -147,7 +147,8 @@ def main(argv=None) -> int:
     out = args.out or Path(__file__).resolve().parent.parent / "models" / name
     training = json.loads((out / "training.json").read_text()) if (out / "training.json").exists() else {}
     meta = {"model": name, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
-            "command": "python -m entmtp_sglang.training.model_card " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": "python -m entmtp_sglang.training.model_card "
+                       + " ".join(sys.argv[1:] if argv is None else argv),
             "duration_s": round(time.time() - t0), "date": time.strftime("%Y-%m-%d")}
     (out / "eval.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     write_card(out / "MODEL_CARD.md", results, meta, training)

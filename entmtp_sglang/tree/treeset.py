@@ -8,8 +8,9 @@
       "trees": [{"name": "...", "parents": [-1, 0, ...],
                  "expected_accepted": [..one per bin..],
                  "cost_seconds": {"1": 0.004, "8": 0.009, "32": 0.02}}],
-      "provenance": {"prompts": ..., "positions": ..., "commit": ..., "created": ...}
-    }
+      "provenance": {"prompts": ..., "positions": ..., "commit": ..., "created": ...},
+      "predictor": {...}                         # optional: the per-node acceptance predictor
+    }                                            # (tree/acceptance.py), fitted on the same records
 
 Loading validates everything and names the offending tree, node or field.
 """
@@ -22,6 +23,7 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .acceptance import AcceptancePredictor
 from .topology import Tree, TreeError
 
 FORMAT = "entmtp-tree-set"
@@ -59,6 +61,7 @@ class TreeSet:
     trees: tuple[TreeEntry, ...]
     hardware: str = ""
     provenance: dict = field(default_factory=dict, compare=False)
+    predictor: dict | None = field(default=None, compare=False)  # AcceptancePredictor.to_json()
 
     def __post_init__(self):
         if self.drafter not in DRAFTERS:
@@ -106,6 +109,7 @@ class TreeSet:
                        "cost_seconds": {str(b): round(c, 6) for b, c in sorted(t.cost_seconds.items())}}
                       for t in self.trees],
             "provenance": self.provenance,
+            **({"predictor": self.predictor} if self.predictor is not None else {}),
         }
 
     def save(self, path: Path) -> None:
@@ -138,6 +142,17 @@ def _plain_entry(entries: list[TreeEntry], num_bins: int, provenance: dict) -> T
         sizes = set().union(*(e.cost_seconds for e in entries))
         costs = {b: min(e.cost(b) for e in entries) for b in sizes}
     return TreeEntry(Tree.chain(0), (0.0,) * num_bins, costs)
+
+
+def _predictor(data: dict, where: str) -> dict | None:
+    """The optional per-node acceptance predictor, validated by parsing it (tree/acceptance.py)."""
+    if data.get("predictor") is None:
+        return None
+    try:
+        AcceptancePredictor.from_json(data["predictor"])
+    except (ValueError, TypeError, AttributeError) as e:
+        raise TreeSetError(f"field 'predictor': {e}") from None
+    return data["predictor"]
 
 
 def from_json(data: dict, where: str = "tree set") -> TreeSet:
@@ -173,7 +188,7 @@ def from_json(data: dict, where: str = "tree set") -> TreeSet:
             model=_need(data, "model", str, where), drafter=_need(data, "drafter", str, where),
             task=_need(data, "task", str, where), signal=_need(data, "signal", str, where),
             bin_edges=edges, trees=tuple(entries), hardware=str(data.get("hardware", "")),
-            provenance=dict(data.get("provenance", {})))
+            provenance=dict(data.get("provenance", {})), predictor=_predictor(data, where))
     except TreeSetError as e:
         raise TreeSetError(f"{where}: {e}") from None
 

@@ -1,0 +1,154 @@
+"""The EntMTP policy's state, one object for every engine: the reference engine (`policies.EntMTPPolicy`), the
+SGLang worker (`sglang/worker.py`), the CLI and the benchmarks all choose through `TreeController`.
+
+Per decode step an engine gathers one `RequestInput` per request of the batch and calls `choose`; after
+verification it calls `record` with each request's accepted drafts; when a request ends, `forget`. Everything
+stateful lives here once:
+
+* expectations: per request and tree, E[accepted drafts], from the per-node acceptance predictor when the
+  controller has one and the request carries its depth-1 draft probabilities, else from the set's table for
+  the request's signal bin (`selector.binned_expected` / `selector.predicted_expected`);
+* acceptance feedback: per request, clip((accepted + prior) / (expected + prior)) scales its expectations
+  (`selector.acceptance_scale`), so a request whose drafts are accepted less than calibrated backs off;
+* one tree for the whole batch: argmax over the set of (sum of expected tokens) / step cost at the batch's
+  row count (`selector.select_by_expected`), chain:0 included, so it backs off to plain decoding;
+* hysteresis: the group's current tree is kept unless another is expected to be `hysteresis` faster;
+* pins: when every request of the batch names the same tree of the set (`pin`), that tree;
+* room: no tree with more nodes than the least room any request has before its context limit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable, Sequence
+
+from ..tree.acceptance import AcceptancePredictor
+from ..tree.treeset import TreeSet
+from .selector import acceptance_scale, binned_expected, predicted_expected, select_by_expected
+
+HYSTERESIS = 0.02  # keep the current tree unless another is expected to be this much faster
+
+
+class UnknownTreeError(ValueError):
+    """A request pinned a tree the set does not hold; the message lists the set's trees."""
+
+
+@dataclass(frozen=True)
+class RequestInput:
+    """What the controller needs about one request at one step."""
+
+    key: Hashable                 # the request's identity (SGLang rid, or a batch row)
+    signal: float                 # the value of the tree set's signal (policy/signals.py)
+    probs: tuple[float, ...] = () # the drafter's largest probabilities for the next position (predictor input)
+    room: int | None = None       # tree nodes that still fit before the request's context limit
+    pin: str | None = None        # the name of a tree of the set this request asks for
+
+
+@dataclass
+class _Feedback:
+    accepted: float = 0.0   # drafts accepted over the request's verified steps
+    expected: float = 0.0   # what the controller expected for the same steps
+    pending: float | None = None  # E[accepted] of the step chosen last, until `record` sees its result
+
+
+@dataclass
+class TreeController:
+    tree_set: TreeSet
+    hysteresis: float = HYSTERESIS
+    feedback: bool = True
+    predictor: AcceptancePredictor | None = None
+    max_nodes: int | None = None
+    requests: dict = field(default_factory=dict)   # key -> _Feedback
+    current: dict = field(default_factory=dict)    # group -> index of its current tree
+
+    def __post_init__(self):
+        if self.hysteresis < 0:
+            raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
+        if self.max_nodes is not None and self.max_nodes < 1:
+            raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
+        self._index = {t.tree.name: i for i, t in enumerate(self.tree_set.trees)}
+
+    @classmethod
+    def for_tree_set(cls, tree_set: TreeSet, use_predictor: bool = True, **kwargs) -> "TreeController":
+        """With the set's acceptance predictor when it carries one and `use_predictor`."""
+        pred = (AcceptancePredictor.from_json(tree_set.predictor)
+                if use_predictor and tree_set.predictor is not None else None)
+        return cls(tree_set, predictor=pred, **kwargs)
+
+    # -- per step -------------------------------------------------------------------------------
+    def expected(self, request: RequestInput) -> list[float]:
+        """E[accepted drafts] of this request under each tree of the set."""
+        if self.predictor is not None and request.probs:
+            return predicted_expected(self.tree_set, self.predictor, [request.probs])
+        return binned_expected(self.tree_set, request.signal)
+
+    def scale(self, key: Hashable) -> float:
+        st = self.requests.get(key)
+        return acceptance_scale(st.accepted, st.expected) if self.feedback and st is not None else 1.0
+
+    def pinned(self, requests: Sequence[RequestInput]) -> int | None:
+        """The tree every request pins, if they all pin the same one; UnknownTreeError for a name not in
+        the set."""
+        names = {r.pin for r in requests}
+        for name in names - {None}:
+            if name not in self._index:
+                raise UnknownTreeError(f"tree {name!r} is not in the tree set; its trees are "
+                                       f"{', '.join(self._index)}")
+        return self._index[names.pop()] if len(names) == 1 and None not in names else None
+
+    def choose(self, requests: Sequence[RequestInput], rows: int | None = None, group: Hashable = "batch",
+               pinned: int | None = None) -> int | None:
+        """Index (into `tree_set.trees`) of the one tree this step's `requests` run; None when no tree fits
+        their room (decode plainly). `rows`: what the engine computes this step (default: the requests);
+        `group`: whose current tree hysteresis keeps (a batch, or one request choosing alone); `pinned`:
+        `self.pinned(requests)`, when the caller has checked it already."""
+        if not requests:
+            raise ValueError("choose needs at least one request")
+        rooms = [r.room for r in requests if r.room is not None]
+        cap = min(rooms + ([self.max_nodes] if self.max_nodes is not None else [])) if rooms or self.max_nodes else None
+        trees = self.tree_set.trees
+        if cap is not None and cap < min(t.tree.num_nodes for t in trees):
+            self._set_pending(requests, None, None)
+            return None
+        pin = self.pinned(requests) if pinned is None else pinned
+        expected = [self.expected(r) for r in requests]
+        if pin is not None and (cap is None or trees[pin].tree.num_nodes <= cap):
+            idx = pin
+        else:
+            scales = [self.scale(r.key) for r in requests]
+            idx = select_by_expected(self.tree_set, expected, rows or len(requests), scales,
+                                     self.current.get(group), self.hysteresis, max_nodes=cap)
+            self.current[group] = idx
+        self._set_pending(requests, expected, idx)
+        return idx
+
+    def _set_pending(self, requests, expected, idx) -> None:
+        for k, r in enumerate(requests):
+            st = self.requests.setdefault(r.key, _Feedback())
+            st.pending = None if idx is None or trees_depth(self.tree_set, idx) == 0 else expected[k][idx]
+
+    def record(self, key: Hashable, accepted: int | None) -> None:
+        """The outcome of `key`'s last chosen step: drafts accepted (None: unknown, e.g. the step was not
+        run). Feeds the acceptance feedback."""
+        st = self.requests.get(key)
+        if st is None or st.pending is None:
+            return
+        if accepted is not None:
+            st.accepted += accepted
+            st.expected += st.pending
+        st.pending = None
+
+    def forget(self, key: Hashable) -> None:
+        """A finished request: drop its feedback and its current tree."""
+        self.requests.pop(key, None)
+        self.current.pop(key, None)
+
+    def keep_only(self, live) -> None:
+        """Forget every request not in `live` (a server's sweep of finished requests)."""
+        live = set(live)
+        for key in [k for k in self.requests if k not in live]:
+            self.forget(key)
+
+
+def trees_depth(tree_set: TreeSet, idx: int) -> int:
+    return tree_set.trees[idx].tree.max_depth
