@@ -4,7 +4,7 @@
 
 One server per system, the same SGLang build, prompts (held-out test split of code, chat, math, prose,
 JSON) and machine; greedy; float32 so that greedy equality with the no-speculation server is checked
-exactly. Writes bench/results/sglang_cpu.{jsonl,md}. See entmtp_sglang/sglang/benchmark.py.
+exactly. Writes bench/results/sglang_cpu.{jsonl,md}. See entmtp_sglang/bench/sglang_benchmark.py.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import argparse
 import time
 from pathlib import Path
 
-from entmtp_sglang.sglang.benchmark import DEFAULT_SYSTEMS, run, to_markdown, write
+from entmtp_sglang.bench.sglang_benchmark import DEFAULT_SYSTEMS, run, to_markdown, write
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -207,9 +207,16 @@ import time  # noqa: E402
 
 from entmtp_sglang.bench import sglang_systems  # noqa: E402
 from entmtp_sglang.bench.cli import add_parser, config_from_args  # noqa: E402
+from entmtp_sglang.bench.sglang_benchmark import (  # noqa: E402
+    ADAPTIVE,
+    ENTMTP,
+    PLAIN,
+    ServerPool,
+    SystemSpec,
+    spec_counts,
+)
+from entmtp_sglang.bench.sglang_server import ServerError, SGLangServer  # noqa: E402
 from entmtp_sglang.bench.systems import Stream, TaskStreams  # noqa: E402
-from entmtp_sglang.sglang.benchmark import ADAPTIVE, ENTMTP, PLAIN, ServerPool, SystemSpec, spec_counts  # noqa: E402
-from entmtp_sglang.sglang.serve import ServerError, SGLangServer  # noqa: E402
 
 EAGLE = sglang_systems.EAGLE_STATIC
 

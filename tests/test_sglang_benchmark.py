@@ -1,10 +1,10 @@
-"""The SGLang side-by-side benchmark's bookkeeping (entmtp_sglang/sglang/benchmark.py), without servers:
+"""The SGLang side-by-side benchmark's bookkeeping (entmtp_sglang/bench/sglang_benchmark.py), without servers:
 medians over repeats, ratios to plain, the Markdown table. (The servers themselves are exercised by
 tests/test_sglang_server.py and by `bench/sglang_cpu.py`.)"""
 
 from __future__ import annotations
 
-from entmtp_sglang.sglang import benchmark as b
+from entmtp_sglang.bench import sglang_benchmark as b
 
 
 def rows(name, batch, tps, accept=None, equal=None):

@@ -21,7 +21,7 @@ from entmtp_sglang.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 
-from entmtp_sglang.sglang.serve import SGLangServer  # noqa: E402
+from entmtp_sglang.bench.sglang_server import SGLangServer  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 MAX_NEW = 32
@@ -115,7 +115,7 @@ def test_json_schema_requests_return_valid_json(servers):
 
 
 def test_unsupported_schema_gets_a_clear_error_and_the_server_keeps_serving(servers):
-    from entmtp_sglang.sglang.serve import ServerError
+    from entmtp_sglang.bench.sglang_server import ServerError
 
     _, ent = servers
     schema = {"type": "object", "properties": {"u": {"type": "string", "format": "relative-uri"}}}

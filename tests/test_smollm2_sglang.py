@@ -12,8 +12,8 @@ from entmtp_sglang.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 
+from entmtp_sglang.bench.sglang_server import SGLangServer  # noqa: E402
 from entmtp_sglang.model import prepare as prep  # noqa: E402
-from entmtp_sglang.sglang.serve import SGLangServer  # noqa: E402
 from entmtp_sglang.tasks import load_prompts, prompt_text  # noqa: E402
 
 pytestmark = pytest.mark.sglang

@@ -293,11 +293,14 @@ class Resources:
 
 def with_measured_costs(tree_set: TreeSet, cost_models: dict) -> TreeSet:
     """`tree_set` with every tree's cost replaced by `cost_models[batch_size](tree)` (seconds per step
-    measured on this machine); chain:0 (no speculation) is in every loaded set.
+    measured on this machine). chain:0 (no speculation) is in every loaded set; one built in code without
+    it gets it here.
 
     EntMTP's selector then compares (expected accepted + 1) / cost at the live batch size across all
     trees and plain decoding, so it backs off to shallow trees or none when verification gets expensive."""
     entries = list(tree_set.trees)
+    if not any(e.tree.num_nodes == 1 for e in entries):
+        entries.insert(0, TreeEntry(Tree.chain(0), (0.0,) * tree_set.num_bins, {1: 1.0}))
     entries = [TreeEntry(e.tree, e.expected_accepted, {b: float(m(e.tree)) for b, m in cost_models.items()})
                for e in entries]
     return dataclasses.replace(tree_set, trees=tuple(entries),

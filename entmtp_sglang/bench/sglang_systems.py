@@ -6,7 +6,7 @@
     sglang-entmtp     --speculative-algorithm ENTMTP (this package's plugin, its shipped EAGLE tree set)
 
 All four serve the run's model (`entmtp bench --model`) and its EAGLE drafter (the same weights), in float32, with
-`--sleep-on-idle`; the server configurations are `entmtp_sglang/sglang/benchmark.py`'s, shared with
+`--sleep-on-idle`; the server configurations are `entmtp_sglang/bench/sglang_benchmark.py`'s, shared with
 `bench/sglang_cpu.py`. The servers of a run are started together once, on the first timed (warm-up) call,
 so they do not disturb the reference engine's cost measurements during set-up, and they are stopped in
 `close()`, which the runner calls even on an error or Ctrl-C (and at interpreter exit, and the kernel
@@ -25,7 +25,7 @@ import importlib.util
 import tempfile
 from pathlib import Path
 
-from ..sglang.benchmark import (
+from .sglang_benchmark import (
     ADAPTIVE,
     ENTMTP,
     FLOAT32,

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..tasks import load_prompts
-from .serve import ServerError, SGLangServer
+from .sglang_server import ServerError, SGLangServer
 
 FLOAT32 = ("--dtype", "float32")  # float32 keeps near-tied argmaxes from flipping between batch shapes
 

@@ -1,6 +1,6 @@
 """Measure each tree's step cost inside a running SGLang server and write it into the tree set.
 
-    .venv/bin/python -m entmtp_sglang.sglang.costs [--tree-set trees/entmtp-tiny-eagle-mixed.json]
+    .venv/bin/python -m entmtp_sglang.bench.sglang_costs [--tree-set trees/entmtp-tiny-eagle-mixed.json]
         [--batches 1,8,32] [--repeats 3] [--out FILE]
 
 The selector ranks trees by (expected accepted + 1) / step cost, so the costs must be those of the engine
@@ -27,10 +27,10 @@ import sys
 import time
 from pathlib import Path
 
+from ..sglang.config import ENV_TREE_SET, PIN_KEY, resolve_tree_set_path
 from ..tasks import TASKS, interleave
 from ..tree.treeset import load_tree_set
-from .config import ENV_TREE_SET, PIN_KEY, resolve_tree_set_path
-from .serve import SGLangServer
+from .sglang_server import SGLangServer
 
 
 def calibration_prompts(n: int, chat_template: str | None = None) -> list[str]:
@@ -75,7 +75,7 @@ def measure(server: SGLangServer, names: list[str], batches: list[int], repeats:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="python -m entmtp_sglang.sglang.costs",
+    ap = argparse.ArgumentParser(prog="python -m entmtp_sglang.bench.sglang_costs",
                                  description=__doc__.split("\n\n")[0], epilog=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tree-set", type=Path, default=None, help="tree set to measure (default: the shipped EAGLE set)")
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
                         chat_template=template.read_text() if template and template.exists() else None)
     trees = tuple(dataclasses.replace(t, cost_seconds={b: round(c, 6) for b, c in costs[t.tree.name].items()})
                   for t in ts.trees)
-    hardware = f"{ts.hardware.split(';')[0]}; step costs measured in SGLang (entmtp_sglang.sglang.costs)"
+    hardware = f"{ts.hardware.split(';')[0]}; step costs measured in SGLang (entmtp_sglang.bench.sglang_costs)"
     step_costs = {"engine": "sglang", "batches": batches, "repeats": args.repeats, "short": args.short,
                   "long": args.long, "created": time.strftime("%Y-%m-%d %H:%M"),
                   "prompts": "calib split, interleaved tasks"}
