@@ -181,8 +181,8 @@ def main(argv=None) -> int:
             if not path.exists():
                 continue
             ts = load_tree_set(path, drafter=drafter)
-            model = cost_models_of(ts)[1]
-            results[f"{drafter}/{task}"] = study(load_records(path.with_suffix(".records.jsonl")), model)
+            cost = cost_models_of(ts)[1]
+            results[f"{drafter}/{task}"] = study(load_records(path.with_suffix(".records.jsonl")), cost)
             print(f"{drafter}/{task}: {results[f'{drafter}/{task}']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")

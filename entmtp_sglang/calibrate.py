@@ -448,7 +448,8 @@ def save_records(records: list[PositionRecord], path: Path) -> None:
     import json
 
     rows = [[r.prompt, r.pos, round(r.draft_entropy, 4), round(r.target_entropy, 4), list(r.ranks),
-             round(r.draft_margin, 4)] + ([[[round(p, 3) for p in d] for d in r.draft_probs]] if r.draft_probs else [])
+             round(r.draft_margin, 4)]
+            + ([[[round(1000 * p) for p in d] for d in r.draft_probs]] if r.draft_probs else [])
             for r in records]
     path.write_text(json.dumps(rows, separators=(",", ":")))
 
@@ -456,11 +457,16 @@ def save_records(records: list[PositionRecord], path: Path) -> None:
 def load_records(path: Path) -> list[PositionRecord]:
     import json
 
-    # [prompt, pos, draft entropy, target entropy, ranks(, draft margin(, draft probs))]: older files lack the
-    # margin or the per-depth probabilities
+    # [prompt, pos, draft entropy, target entropy, ranks(, draft margin(, draft probs per mille))]: older files
+    # lack the margin or the per-depth probabilities
     return [PositionRecord(row[0], row[1], row[2], row[3], tuple(row[4]), *row[5:6],
-                           *([tuple(tuple(d) for d in row[6])] if len(row) > 6 else []))
+                           *([_probs(row[6])] if len(row) > 6 else []))
             for row in json.loads(Path(path).read_text())]
+
+
+def _probs(rows) -> tuple[tuple[float, ...], ...]:
+    """Per-depth draft probabilities as saved: integers per mille (floats in files written before)."""
+    return tuple(tuple(p / 1000 if isinstance(p, int) else float(p) for p in d) for d in rows)
 
 
 def simulate(records: list[PositionRecord], choose) -> tuple[int, int, float]:

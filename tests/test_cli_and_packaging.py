@@ -122,3 +122,12 @@ def test_public_entry_runs_entmtp_end_to_end():
     assert out.output_ids == plain.output_ids
     with pytest.raises(AttributeError, match="no attribute 'nope'"):
         em.nope
+
+
+def test_tracked_files_fit_what_a_gpu_check_can_carry():
+    """A device run carries at most 64 MiB of the working tree: every tracked file together stays under."""
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    total = sum((ROOT / f).stat().st_size for f in out.stdout.split("\0") if f and (ROOT / f).is_file())
+    assert total < 64 * 2**20, f"tracked files total {total / 2**20:.1f} MiB"

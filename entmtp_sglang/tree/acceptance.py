@@ -31,6 +31,7 @@ from .topology import Tree
 
 ROOT_BINS = 4          # bins of the depth-1 top-1 probability for the deeper-node table
 PRIOR_WEIGHT = 4.0     # pseudo-counts pulling a sparse (depth, rank, bin) cell toward its depth's mean
+PARENT_WITHIN = None   # fit depth d on positions whose true path stayed within this many candidates per depth
 
 
 def isotonic(xs: Sequence[float], ys: Sequence[float],
@@ -156,9 +157,14 @@ class AcceptancePredictor:
 
 
 def fit_predictor(records: Sequence, max_depth: int | None = None, max_rank: int | None = None,
-                  root_bins: int = ROOT_BINS) -> AcceptancePredictor:
+                  root_bins: int = ROOT_BINS, parent_within: int | None = PARENT_WITHIN) -> AcceptancePredictor:
     """Fit on calibration records carrying `draft_probs` (teacher-forced: the rank-r candidate at depth d is
-    accepted, given its parent, exactly when the recorded rank at depth d is r)."""
+    accepted, given its parent, exactly when the recorded rank at depth d is r).
+
+    `parent_within`: depth d's maps are fitted only on positions whose true path to depth d - 1 stayed within
+    the drafter's top `parent_within` candidates at every depth, i.e. where the parent could have been
+    drafted and accepted; acceptance is correlated along a path, so this is the condition that matters
+    (None: every position)."""
     recs = [r for r in records if r.draft_probs]
     if not recs:
         raise ValueError("no calibration record carries draft probabilities; record them again with "
@@ -167,14 +173,19 @@ def fit_predictor(records: Sequence, max_depth: int | None = None, max_rank: int
     depth = depth if max_depth is None else min(depth, max_depth)
     rank = min(len(r.draft_probs[0]) for r in recs)
     rank = rank if max_rank is None else min(rank, max_rank)
+    def reached(r, d):  # the true path to depth d - 1 was draftable
+        return parent_within is None or all(x < parent_within for x in r.ranks[:d])
+
     by_depth = []
     for d in range(depth):
         xs, ys = [], []
         for r in recs:
+            if not reached(r, d):
+                continue
             for k in range(rank):
                 xs.append(r.draft_probs[d][k])
                 ys.append(1.0 if r.ranks[d] == k else 0.0)
-        by_depth.append(IsotonicMap(*isotonic(xs, ys)))
+        by_depth.append(IsotonicMap(*isotonic(xs, ys)) if xs else IsotonicMap((0.0,), (0.0,)))
     tops = sorted(r.draft_probs[0][0] for r in recs)
     edges = tuple(sorted({tops[min(len(tops) - 1, len(tops) * q // root_bins)] for q in range(1, root_bins)}))
     deep = []
@@ -182,6 +193,8 @@ def fit_predictor(records: Sequence, max_depth: int | None = None, max_rank: int
         hits = [[0.0] * rank for _ in range(len(edges) + 1)]
         counts = [0] * (len(edges) + 1)
         for r in recs:
+            if not reached(r, d):
+                continue
             b = bisect.bisect_right(edges, r.draft_probs[0][0])
             counts[b] += 1
             if r.ranks[d] < rank:
