@@ -40,6 +40,51 @@ def test_tree_set_resolution_order(tmp_path, monkeypatch):
     assert resolve_tree_set_path(str(other)) == tmp_path / "env.json"
 
 
+def test_a_missing_or_broken_adaptive_config_is_an_error_not_a_fallback(tmp_path, monkeypatch):
+    monkeypatch.delenv(ENV_TREE_SET, raising=False)
+    with pytest.raises(TreeSetError, match="cannot read it"):
+        resolve_tree_set_path(str(tmp_path / "missing.json"))
+    broken = tmp_path / "broken.json"
+    broken.write_text('{"format": "entmtp-tree-set", ')
+    with pytest.raises(TreeSetError, match="not valid JSON"):
+        resolve_tree_set_path(str(broken))
+
+
+def test_admission_checks_prompts_and_custom_params():
+    from entmtp_sglang.sglang.admission import custom_params_error, prompt_error
+
+    assert prompt_error([1, 2, 3], 100) is None
+    assert "empty" in prompt_error([], 100)
+    assert prompt_error([], 100, in_session=True) is None
+    assert "token id 99999, outside the model's vocabulary [0, 100)" in prompt_error([5, 99999], 100)
+    assert "token id -1" in prompt_error([-1], 100)
+    names = lambda: ("chain:0", "b0n4d3")  # noqa: E731
+    assert custom_params_error(None, names) is None
+    assert custom_params_error({"other": 1, "entmtp_tree": "b0n4d3"}, names) is None
+    assert "is not a tree of this server's tree set: chain:0, b0n4d3" in custom_params_error(
+        {"entmtp_tree": "nope"}, names)
+    assert "is not a tree" in custom_params_error({"entmtp_tree": 3}, names)
+    assert "must be a JSON object" in custom_params_error("b0n4d3", names)
+    assert "must be a JSON object" in custom_params_error({"a": {"b": {"c": 1}}}, names)
+
+
+def test_penalised_requests_decode_plainly():
+    from types import SimpleNamespace as NS
+
+    from entmtp_sglang.sglang.worker import needs_plain_decoding
+
+    def req(**sp):
+        base = dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0)
+        return NS(sampling_params=NS(**{**base, **sp}), output_ids=[1, 2])
+
+    assert not needs_plain_decoding([req(), req()])
+    assert needs_plain_decoding([req(), req(frequency_penalty=0.5)])
+    assert needs_plain_decoding([req(presence_penalty=-0.2)])
+    assert needs_plain_decoding([req(repetition_penalty=1.2)])
+    assert needs_plain_decoding([req(min_new_tokens=3)])        # 2 tokens so far: still under the minimum
+    assert not needs_plain_decoding([req(min_new_tokens=2)])
+
+
 def test_config_validates_and_reads_the_grammar_switch(tmp_path, monkeypatch):
     monkeypatch.delenv(ENV_TREE_SET, raising=False)
     monkeypatch.delenv(ENV_GRAMMAR_DRAFT, raising=False)

@@ -125,6 +125,59 @@ def test_unsupported_schema_gets_a_clear_error_and_the_server_keeps_serving(serv
     assert ent.generate("def f(x):", 8)["meta_info"]["completion_tokens"] == 8
 
 
+@pytest.mark.parametrize("job, message", [
+    ({"text": ""}, "the prompt is empty"),
+    ({"input_ids": [5, 99999]}, "token id 99999, outside the model"),
+    ({"text": "def f(x):", "sampling_params": {"custom_params": {"entmtp_tree": "nope"}}},
+     "tree set: chain:0"),
+    ({"text": "def f(x):", "sampling_params": {"custom_params": {"entmtp_tree": 3}}}, "is not a tree"),
+    ({"text": "def f(x):", "sampling_params": {"custom_params": "chain:2"}}, "must be a JSON object"),
+], ids=["empty-text", "id-outside-vocab", "unknown-pin", "numeric-pin", "custom-params-string"])
+def test_bad_requests_get_400_and_the_server_keeps_serving(servers, job, message):
+    """Found by an outside test: an empty prompt or an id outside the vocabulary killed every server
+    process; an unknown pin was silently ignored (HTTP 200)."""
+    from entmtp_sglang.bench.sglang_server import ServerError
+
+    _, ent = servers
+    job = {**job, "sampling_params": {"max_new_tokens": 8, "temperature": 0, **job.get("sampling_params", {})}}
+    with pytest.raises(ServerError, match=rf"HTTP 400.*{re.escape(message)}"):
+        ent.post("/generate", job)
+    assert ent.generate("def f(x):", 8)["meta_info"]["completion_tokens"] == 8
+
+
+_STILL_DIFFERS = pytest.mark.xfail(strict=True, reason=(
+    "open: decoded one token per step under ENTMTP, frequency and repetition penalties still differ from the "
+    "non-speculative server (seen on 1 of 4 prompts each); presence and min_new_tokens are equal"))
+
+
+@pytest.mark.parametrize("penalty", [pytest.param({"frequency_penalty": 0.8}, marks=_STILL_DIFFERS),
+                                     {"presence_penalty": 0.8},
+                                     pytest.param({"repetition_penalty": 1.3}, marks=_STILL_DIFFERS),
+                                     {"min_new_tokens": 24}],
+                         ids=["frequency", "presence", "repetition", "min-new-tokens"])
+def test_penalised_greedy_requests_equal_plain_decoding(servers, penalty):
+    """Found by an outside test: SGLang applies penalties relaxed under speculation (5 of 6 settings differed).
+    ENTMTP decodes such requests one token per step; with that, presence penalties and min_new_tokens equal the
+    non-speculative server's, frequency and repetition penalties do not yet (xfail, strict)."""
+    plain, ent = servers
+    for p in prompts(1)[:4]:
+        want = plain.generate(p, MAX_NEW, **penalty)
+        got = ent.generate(p, MAX_NEW, **penalty)
+        assert got["output_ids"] == want["output_ids"], (penalty, p[:60])
+        trees = got["meta_info"]["entmtp_trees"]
+        if "min_new_tokens" in penalty:   # plain until the minimum is reached, then free to speculate
+            assert trees[:penalty["min_new_tokens"] - 1] == ["plain"] * (penalty["min_new_tokens"] - 1), trees
+        else:
+            assert trees and set(trees) == {"plain"}, trees
+
+
+def test_server_info_reports_the_mean_accept_length(servers):
+    _, ent = servers
+    ent.generate("def add(a, b):\n    return", 16)
+    info = ent.server_info()
+    assert info.get("avg_spec_accept_length") is not None and info["avg_spec_accept_length"] >= 1.0, info
+
+
 def test_regex_request(servers):
     _, ent = servers
     out = ent.post("/generate", {"text": "User: Give me a date.\nAssistant: ", "sampling_params": {
@@ -229,7 +282,9 @@ def test_bad_tree_set_fails_at_start_up_with_a_clear_message(tmp_path, problem):
     srv.start(wait=False)
     assert srv.exit_code() != 0
     assert re.search(expect, srv.log_text()), srv.log_tail()
-    assert "ENTMTP cannot start" in srv.log_text()
+    # one clear line, not a traceback (found by an outside test)
+    assert re.search(r"^error: ENTMTP cannot start: .*" + expect, srv.log_text(), re.M), srv.log_tail()
+    assert "Traceback" not in srv.log_text(), srv.log_tail()
 
 
 @pytest.mark.parametrize("adaptive", [False, True], ids=["eagle-static", "eagle-adaptive"])

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import sys
 
+from ..policy.controller import TreeController
 from .config import EntMtpConfig
 from .sglang_api import CustomSpecAlgo, SpeculativeAlgorithm
-from .tree_plan import required_topk
+from .tree_plan import plan_tree, required_topk
 
 logger = logging.getLogger("entmtp_sglang.sglang")
 
@@ -19,13 +21,40 @@ _AS_EAGLE = ("is_some", "is_speculative", "is_eagle", "supports_prefill_shared_r
              "create_future_map", "need_topk")
 
 
+class EntMtpStartupError(ValueError):
+    """ENTMTP's configuration cannot work (bad tree set, bad setting): `sglang.launch_server` prints this one
+    line and exits 1 instead of a traceback (`print_startup_error`); an embedding program catches a ValueError."""
+
+
+def print_startup_error(kind, value, tb, _previous=sys.excepthook) -> None:
+    """sys.excepthook for the main process: one line for EntMtpStartupError, the usual report otherwise."""
+    if isinstance(value, EntMtpStartupError):
+        print(f"error: {value}", file=sys.stderr)
+    else:
+        _previous(kind, value, tb)
+
+
+def checked_config(server_args):
+    """(config, tree set, topk) with everything the worker would reject checked now, in the main process."""
+    try:
+        cfg = EntMtpConfig.from_server_args(server_args)
+        ts = cfg.load_tree_set()
+        topk = max(required_topk(t.tree) for t in ts.trees)
+        for t in ts.trees:
+            plan_tree(t.tree, topk, t.tree.max_depth)
+        TreeController.for_tree_set(ts, cfg.policy != "entmtp-bins", hysteresis=cfg.hysteresis,
+                                    max_nodes=cfg.max_nodes)
+    except ValueError as e:  # TreeSetError, TreeShapeError, bad settings
+        msg = str(e)
+        raise EntMtpStartupError(msg if msg.startswith("ENTMTP") else f"ENTMTP cannot start: {msg}") from None
+    return cfg, ts, topk
+
+
 class EntMtpSpecAlgo(CustomSpecAlgo):
     def handle_server_args(self, server_args) -> None:
         """Sizes SGLang's EAGLE buffers for the largest tree of the set (runs on SGLang's stand-in)."""
-        cfg = EntMtpConfig.from_server_args(server_args)
-        ts = cfg.load_tree_set()
+        cfg, ts, topk = checked_config(server_args)
         steps = ts.max_depth
-        topk = max(required_topk(t.tree) for t in ts.trees)
         server_args.speculative_num_steps = steps
         server_args.speculative_eagle_topk = topk
         server_args.speculative_num_draft_tokens = ts.max_nodes
@@ -34,7 +63,7 @@ class EntMtpSpecAlgo(CustomSpecAlgo):
         if server_args.max_running_requests is None:
             server_args.max_running_requests = 48
         if not server_args.speculative_draft_model_path:
-            raise ValueError("ENTMTP needs an EAGLE-layout draft model: --speculative-draft-model-path DIR "
+            raise EntMtpStartupError("ENTMTP needs an EAGLE-layout draft model: --speculative-draft-model-path DIR "
                              "(the bundled model's is entmtp_sglang/models/entmtp-tiny/eagle)")
         logger.info("ENTMTP: tree set %s (%d trees, up to %d nodes, depth %d, topk %d)",
                     cfg.tree_set_path, len(ts.trees), ts.max_nodes, steps, topk)

@@ -44,11 +44,13 @@ def resolve_tree_set_path(adaptive_config: str | None, model_name: str = "entmtp
     if adaptive_config:
         p = Path(adaptive_config)
         try:
-            is_tree_set = json.loads(p.read_text()).get("format") == FORMAT
-        except (OSError, ValueError, AttributeError):
-            is_tree_set = False
-        if is_tree_set:
-            return p
+            data = json.loads(p.read_text())
+        except OSError as e:
+            raise TreeSetError(f"--speculative-adaptive-config {p}: cannot read it ({e.strerror})") from None
+        except ValueError as e:
+            raise TreeSetError(f"--speculative-adaptive-config {p}: not valid JSON ({e})") from None
+        if isinstance(data, dict) and data.get("format") == FORMAT:
+            return p   # a JSON file that is not a tree set is SGLang's own adaptive config: the shipped set
     shipped = shipped_tree_set(DEFAULT_DRAFTER, DEFAULT_TASK, model_name)
     return shipped if shipped.exists() else shipped_tree_set(DEFAULT_DRAFTER, DEFAULT_TASK)
 

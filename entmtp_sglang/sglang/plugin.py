@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import sys
 
 logger = logging.getLogger("entmtp_sglang.sglang")
 
@@ -77,6 +78,9 @@ def _register_attention() -> None:
         check_signature(dotted, params)
     HookRegistry.register(DRAFT_BACKEND_FACTORY, _draft_backend_around, HookType.AROUND)
     HookRegistry.register(OUTPUT_STREAMER, output_streamer_hook, HookType.AFTER)
+    from .admission import register_hooks
+
+    register_hooks(check_signature)
 
 
 def register() -> None:
@@ -88,9 +92,10 @@ def register() -> None:
     install_if_missing()
     try:
         _register_attention()
-        from .algorithm import register_algorithm
+        from .algorithm import print_startup_error, register_algorithm
 
         register_algorithm()
+        sys.excepthook = print_startup_error
     except Exception:
         logger.exception("entmtp: registering ENTMTP with SGLang failed; --speculative-algorithm ENTMTP "
                          "and --attention-backend entmtp_torch will be unknown")

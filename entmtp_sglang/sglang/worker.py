@@ -40,6 +40,31 @@ from .tree_plan import plan_tree
 logger = logging.getLogger("entmtp_sglang.sglang")
 
 
+class _PlainStep(Exception):
+    """This step decodes without speculation, by rule (not an error)."""
+
+
+def needs_plain_decoding(reqs) -> bool:
+    """Whether some request of the batch must decode one token per step to match plain decoding.
+
+    SGLang applies frequency, presence and repetition penalties and min_new_tokens "relaxed" under
+    speculation: one penalty row for every node of a tree, and one counted token per step, so a penalised
+    greedy request's output differs from the non-speculative server's. Decoded one token per step from its
+    first decode step it is exact; SGLang verifies one tree per batch, so the whole batch decodes plainly."""
+    for r in reqs:
+        sp = getattr(r, "sampling_params", None)
+        if sp is None:
+            continue
+        if (getattr(sp, "frequency_penalty", 0.0) or 0.0) != 0.0 or (getattr(sp, "presence_penalty", 0.0)
+                                                                    or 0.0) != 0.0:
+            return True
+        if (getattr(sp, "repetition_penalty", 1.0) or 1.0) != 1.0:
+            return True
+        if (getattr(sp, "min_new_tokens", 0) or 0) > len(getattr(r, "output_ids", ()) or ()):
+            return True
+    return False
+
+
 class EntMtpWorker(EAGLEWorkerV2):
     def __init__(self, server_args, gpu_id, nccl_port, target_worker):
         super().__init__(server_args, gpu_id, nccl_port, target_worker)
@@ -94,6 +119,8 @@ class EntMtpWorker(EAGLEWorkerV2):
         reqs = batch.reqs
         plan, h = None, float("nan")
         try:
+            if needs_plain_decoding(reqs):   # penalties: one token per step keeps them exact
+                raise _PlainStep
             self._grammar_signals(batch, reqs)
             unknown = least_predictable(self.signal)
             inputs = [RequestInput(r.rid, self.signals.get(r.rid, unknown), self.probs.get(r.rid, ()), self._room(r),
@@ -103,6 +130,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             idx = self.controller.choose(inputs, len(reqs))
             if idx is not None:
                 plan = self.plans[idx]
+        except _PlainStep:
+            pass
         except Exception:   # the policy must never fail a request: decode plainly this step
             logger.exception("ENTMTP: tree choice failed; this step decodes without speculation")
         self._plan = plan
