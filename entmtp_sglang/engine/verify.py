@@ -41,10 +41,8 @@ def verify_greedy(tree: Tree, tokens: list[int], target_argmax: list[int]) -> Ac
     lowest matching child is the first in `tree.children`).
     """
     n = tree.num_nodes
-    as_t = lambda x: torch.tensor([x], dtype=torch.int64)  # noqa: E731
-    accept_len, nodes, next_token = verify_tree_greedy(
-        as_t(tree.parents), as_t(n), as_t(tokens[:n]), as_t(target_argmax[:n]))
-    return Accepted(tuple(nodes[0, : int(accept_len[0]) + 1].tolist()), int(next_token[0]))
+    as_row = lambda x: torch.tensor([x[:n]], dtype=torch.int64)  # noqa: E731
+    return verify_greedy_batch(as_row(tree.parents), [n], as_row(tokens), as_row(target_argmax))[0]
 
 
 def verify_greedy_batch(parents: torch.Tensor, num_nodes: list[int], tokens: torch.Tensor,

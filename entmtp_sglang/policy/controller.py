@@ -96,21 +96,20 @@ class TreeController:
                                        f"{', '.join(self._index)}")
         return self._index[names.pop()] if len(names) == 1 and None not in names else None
 
-    def choose(self, requests: Sequence[RequestInput], rows: int | None = None, group: Hashable = "batch",
-               pinned: int | None = None) -> int | None:
+    def choose(self, requests: Sequence[RequestInput], rows: int | None = None,
+               group: Hashable = "batch") -> int | None:
         """Index (into `tree_set.trees`) of the one tree this step's `requests` run; None when no tree fits
         their room (decode plainly). `rows`: what the engine computes this step (default: the requests);
-        `group`: whose current tree hysteresis keeps (a batch, or one request choosing alone); `pinned`:
-        `self.pinned(requests)`, when the caller has checked it already."""
+        `group`: whose current tree hysteresis keeps (a batch, or one request choosing alone)."""
         if not requests:
             raise ValueError("choose needs at least one request")
-        rooms = [r.room for r in requests if r.room is not None]
-        cap = min(rooms + ([self.max_nodes] if self.max_nodes is not None else [])) if rooms or self.max_nodes else None
+        limits = [r.room for r in requests if r.room is not None] + [self.max_nodes] * (self.max_nodes is not None)
+        cap = min(limits) if limits else None
         trees = self.tree_set.trees
         if cap is not None and cap < min(t.tree.num_nodes for t in trees):
             self._set_pending(requests, None, None)
             return None
-        pin = self.pinned(requests) if pinned is None else pinned
+        pin = self.pinned(requests)
         expected = [self.expected(r) for r in requests]
         if pin is not None and (cap is None or trees[pin].tree.num_nodes <= cap):
             idx = pin
@@ -125,7 +124,8 @@ class TreeController:
     def _set_pending(self, requests, expected, idx) -> None:
         for k, r in enumerate(requests):
             st = self.requests.setdefault(r.key, _Feedback())
-            st.pending = None if idx is None or trees_depth(self.tree_set, idx) == 0 else expected[k][idx]
+            speculates = idx is not None and self.tree_set.trees[idx].tree.max_depth > 0
+            st.pending = expected[k][idx] if speculates else None
 
     def record(self, key: Hashable, accepted: int | None) -> None:
         """The outcome of `key`'s last chosen step: drafts accepted (None: unknown, e.g. the step was not
@@ -149,6 +149,3 @@ class TreeController:
         for key in [k for k in self.requests if k not in live]:
             self.forget(key)
 
-
-def trees_depth(tree_set: TreeSet, idx: int) -> int:
-    return tree_set.trees[idx].tree.max_depth
