@@ -334,13 +334,19 @@ def hardware() -> str:
     return f"{platform.machine()} {platform.processor() or 'cpu'}, torch threads {torch.get_num_threads()}"
 
 
-def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[list[int]],
+def build_tree_set(bundle: Bundle | None, records: list[PositionRecord], prompts: list[list[int]],
                    cfg: CalibrationConfig, log=print, signal: str | None = None,
                    models: dict[int, StepCostModel] | None = None,
-                   cost_source: dict | None = None) -> tuple[TreeSet, dict]:
+                   cost_source: dict | None = None, model_name: str | None = None,
+                   hardware_name: str | None = None) -> tuple[TreeSet, dict]:
     """`signal` forces the bins' signal (default: the one that best predicts acceptance); `models` reuses
-    step-cost models per batch size instead of measuring them; `cost_source` says where given models came
-    from (a cost table: `cost_table.step_cost_models_from_table`), recorded as the set's hardware."""
+    step-cost models per batch size instead of measuring them (their batch sizes are the set's); `cost_source`
+    says where given models came from (a cost table: `cost_table.step_cost_models_from_table`), recorded as
+    the set's hardware. Without a `bundle` (records from an SGLang server: `calibrate_sglang.py`) `models`,
+    `model_name` and `hardware_name` are required. A rank of -1 in a record (not observed) counts as a miss."""
+    if bundle is None and (models is None or model_name is None):
+        raise ValueError("build_tree_set without a bundle needs step-cost models and the model's name")
+    batches = tuple(sorted(models)) if models else COST_BATCHES
     depth = min(cfg.max_depth, max(len(r.ranks) for r in records))
     sig = signals_of(records, cfg.window)
     acc = [float(r.chain_accepted) for r in records]
@@ -356,7 +362,7 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
     import bisect
 
     for r, v in zip(records, sig[signal]):
-        bins[bisect.bisect_right(edges, v)].append(r.ranks)
+        bins[bisect.bisect_right(edges, v)].append(tuple(cfg.max_rank if x < 0 else x for x in r.ranks))
 
     cands: dict[tuple[int, ...], Tree] = {(-1,): Tree.chain(0)}
     for b, recs in enumerate(bins):
@@ -368,14 +374,14 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
     trees = list(cands.values())
     log(f"{len(trees)} candidate trees; step costs from the "
         f"{'cost table ' + cost_source['table'] if cost_source else 'in-situ model'}")
-    models = models or step_cost_models(bundle, prompts, COST_BATCHES, depth, log)
-    value = {id(t): [[(expected_accepted(t, recs) + 1) / models[bsz](t) for bsz in COST_BATCHES]
+    models = models or step_cost_models(bundle, prompts, batches, depth, log)
+    value = {id(t): [[(expected_accepted(t, recs) + 1) / models[bsz](t) for bsz in batches]
                      for recs in bins] for t in trees}
     keep: set[int] = set()
     for b, recs in enumerate(bins):
         points = [(models[1](t), expected_accepted(t, recs) + 1) for t in trees]
         front = pareto_front(points)
-        for j in range(len(COST_BATCHES)):  # the best value in this bin at each batch size
+        for j in range(len(batches)):  # the best value in this bin at each batch size
             keep.add(max(range(len(trees)), key=lambda i: value[id(trees[i])][b][j]))
         # and the frontier members with the best value at batch 1
         front.sort(key=lambda i: -value[id(trees[i])][b][0])
@@ -388,7 +394,7 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
     entries = []
     for i in sorted(chosen, key=lambda i: trees[i].num_nodes):
         t = trees[i]
-        costs = {bsz: models[bsz](t) for bsz in COST_BATCHES}
+        costs = {bsz: models[bsz](t) for bsz in batches}
         entries.append(TreeEntry(t, tuple(expected_accepted(t, recs) for recs in bins), costs))
     all_points = {
         "trees": [{"name": t.name, "nodes": t.num_nodes, "cost1": models[1](t),
@@ -396,9 +402,11 @@ def build_tree_set(bundle: Bundle, records: list[PositionRecord], prompts: list[
         "kept": [trees[i].name for i in chosen],
     }
     ts = TreeSet(
-        model=bundle.path.name, drafter=bundle.drafter_kind, task=cfg.task, signal=signal,
+        model=model_name or bundle.path.name, drafter=bundle.drafter_kind if bundle else cfg.drafter,
+        task=cfg.task, signal=signal,
         bin_edges=edges, trees=tuple(entries),
-        hardware=f"{cost_source['device']} (cost table {cost_source['table']})" if cost_source else hardware(),
+        hardware=hardware_name or (f"{cost_source['device']} (cost table {cost_source['table']})" if cost_source
+                                   else hardware()),
         provenance={"prompts": len(prompts), "positions": len(records), "split": "calib",
                     "max_new_tokens": cfg.max_new_tokens, "max_rank": cfg.max_rank,
                     "signal_correlations": corr, "bin_sizes": [len(b) for b in bins],

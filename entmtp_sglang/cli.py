@@ -153,12 +153,35 @@ def _add_calibrate(sub) -> None:
                     "or margin, or a target-entropy window: the best predictor), "
                     "measure verification cost on this machine, and write a tree set of Pareto-optimal "
                     "trees (JSON) with a Pareto-frontier plot (PNG).")
+    p.add_argument("--engine", choices=("reference", "sglang"), default="reference",
+                   help="reference (default): decode with this package's engine and its model layout (--model, "
+                        "--drafter); sglang: start sglang.launch_server with ENTMTP in recording mode on the "
+                        "model and drafter you serve (--model-path, --speculative-draft-model-path) and build "
+                        "the set from what its verification records and its timed steps")
     p.add_argument("--model", type=Path, default=None, help="model directory (default: bundled entmtp-tiny)")
-    p.add_argument("--drafter", choices=("medusa", "hydra", "eagle"), required=True)
-    p.add_argument("--task", required=True,
+    p.add_argument("--drafter", choices=("medusa", "hydra", "eagle"), default=None,
+                   help="the reference engine's drafter (required with --engine reference)")
+    p.add_argument("--task", default=None,
                    help="code, math, chat, prose, json, json-grammar (json under each prompt's schema, as "
                         "--grammar) or mixed; a comma-separated list runs several "
-                        "(costs are measured once per tree shape)")
+                        "(costs are measured once per tree shape). With --engine sglang: the prompts' task, or "
+                        "a label for --prompt-file (default: custom)")
+    g = p.add_argument_group("with --engine sglang")
+    g.add_argument("--model-path", type=Path, default=None, help="the served model's directory (as sglang's)")
+    g.add_argument("--speculative-draft-model-path", type=Path, default=None, help="the drafter's directory")
+    g.add_argument("--speculative-algorithm", default="EAGLE", choices=("EAGLE", "EAGLE3", "NEXTN"),
+                   help="what kind of drafter it is (default: EAGLE)")
+    g.add_argument("--prompt-file", type=Path, default=None,
+                   help="JSONL prompts: a string, {\"prompt\"|\"text\": ...} or {\"messages\": [...]} per line "
+                        "(default: the --task's shipped calibration prompts)")
+    g.add_argument("--device", default="cpu", help="sglang --device (default: cpu)")
+    g.add_argument("--attention-backend", default=None,
+                   help="sglang --attention-backend (default: entmtp_torch on CPU)")
+    g.add_argument("--dtype", default="float32", help="sglang --dtype (default: float32)")
+    g.add_argument("--batch-sizes", default="1,8", help="batch sizes to time trees at (default: 1,8)")
+    g.add_argument("--concurrency", type=int, default=8, help="requests decoded at once (default: 8)")
+    g.add_argument("--sglang-arg", action="append", default=[], metavar="ARG",
+                   help="another sglang.launch_server argument, repeatable (e.g. --sglang-arg=--tp-size=2)")
     p.add_argument("--prompts", type=int, default=24, help="calibration prompts to decode (default: 24)")
     p.add_argument("--max-new-tokens", type=int, default=96, help="tokens per prompt (default: 96)")
     p.add_argument("--bins", type=int, default=4, help="signal bins (default: 4)")
@@ -184,6 +207,11 @@ def _add_calibrate(sub) -> None:
 
 
 def _calibrate(args) -> int:
+    if args.engine == "sglang":
+        return _calibrate_sglang(args)
+    if args.drafter is None or args.task is None:
+        print("error: --engine reference needs --drafter and --task", file=sys.stderr)
+        return 2
     import torch
     from tqdm import tqdm
 
@@ -280,6 +308,38 @@ def _calibrate(args) -> int:
         save_records(records, out.with_suffix(".records.jsonl"))
         print(f"wrote {out} ({len(ts.trees)} trees, signal {ts.signal}, bins "
               f"{[round(e, 3) for e in ts.bin_edges]}) and {out.with_suffix('.png')}", flush=True)
+    return 0
+
+
+def _calibrate_sglang(args) -> int:
+    from tqdm import tqdm
+
+    from .calibrate_sglang import SGLangCalibration, load_prompt_items, run
+
+    if args.model_path is None or args.speculative_draft_model_path is None:
+        print("error: --engine sglang needs --model-path and --speculative-draft-model-path", file=sys.stderr)
+        return 2
+    task = args.task or ("custom" if args.prompt_file else "mixed")
+    try:
+        sizes = tuple(sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()}))
+        cal = SGLangCalibration(args.model_path, args.speculative_draft_model_path, args.speculative_algorithm,
+                                args.device, args.attention_backend, args.dtype, args.max_new_tokens, sizes,
+                                args.concurrency, bins=args.bins, task=task, extra_args=tuple(args.sglang_arg))
+        items = load_prompt_items(str(args.prompt_file) if args.prompt_file else task, args.prompts)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = args.out or Path(f"{cal.model_name}-eagle-{task}.json")
+    with tqdm(total=len(items), desc=f"calibrate {cal.model_name} through SGLang", unit="prompt") as bar:
+        try:
+            ts = run(cal, items, out, log=tqdm.write, progress=bar)
+        except RuntimeError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 1
+    print(f"wrote {out} ({len(ts.trees)} trees: {', '.join(e.tree.name for e in ts.trees)}; signal {ts.signal}) "
+          f"and {out.with_suffix('.png')}\nserve it: ENTMTP_TREE_SET={out} python -m sglang.launch_server "
+          f"--model-path {cal.model_path} --speculative-algorithm ENTMTP --speculative-draft-model-path "
+          f"{cal.draft_path} ...", flush=True)
     return 0
 
 

@@ -46,10 +46,11 @@ class SystemSpec:
     draft_tokens: int = 4
     adaptive: bool = False
     attention: str = "entmtp_torch"
+    env: tuple[tuple[str, str], ...] = ()   # extra environment (e.g. ENTMTP_TREE_SET)
 
     def server(self, log_dir: Path, device_args: tuple[str, ...], model: Path | None = None) -> SGLangServer:
         kw = {"model": Path(model)} if model else {}
-        return SGLangServer.cpu(self.speculative, **kw, steps=self.steps, topk=self.topk,
+        return SGLangServer.cpu(self.speculative, env=dict(self.env), **kw, steps=self.steps, topk=self.topk,
                                 draft_tokens=self.draft_tokens, adaptive=self.adaptive,
                                 attention=self.attention, log_path=log_dir / f"{self.name}.log",
                                 extra=device_args)
@@ -229,11 +230,11 @@ def run_batch(srv: SGLangServer, prompts: list[str], batch: int, max_new: int) -
 
 def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64, repeats: int = 3,
         log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
-        on_repeat=None) -> list[Row]:
+        on_repeat=None, model: Path | None = None) -> list[Row]:
     """All servers up at once (idle ones sleep), measurements interleaved: for each repeat, each batch size,
     each system in turn; tokens/s is the median over repeats, so load from elsewhere hits all alike."""
     prompts = bench_prompts(per_task)
-    pool = ServerPool(log_dir, ("--dtype", dtype), progress)
+    pool = ServerPool(log_dir, ("--dtype", dtype), progress, model=model)
     for spec in systems:
         pool.add(spec)
     with pool:
@@ -300,14 +301,14 @@ def to_markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def write(rows: list[Row], out_dir: Path, config: dict) -> None:
+def write(rows: list[Row], out_dir: Path, config: dict, name: str = "sglang_cpu") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {**config, **machine()}
-    with open(out_dir / "sglang_cpu.jsonl", "w") as f:
+    with open(out_dir / f"{name}.jsonl", "w") as f:
         for r in rows:
             f.write(json.dumps({**meta, "system": r.system, "batch": r.batch, "tokens": r.tokens,
                                 "seconds": round(r.seconds, 3), "tokens_per_s": round(r.tokens_per_s, 2),
                                 "mean_accept_length": r.mean_accept, "equal_to_plain": r.equal_to_plain,
                                 "requests": r.requests, "trees": dict(r.trees),
                                 "repeat_tokens_per_s": r.repeat_tokens_per_s}) + "\n")
-    (out_dir / "sglang_cpu.md").write_text(to_markdown(rows) + "\n")
+    (out_dir / f"{name}.md").write_text(to_markdown(rows) + "\n")

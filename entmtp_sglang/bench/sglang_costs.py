@@ -94,6 +94,8 @@ def main(argv: list[str] | None = None) -> None:
 
         model = resolve_alias(args.model)
     path = args.tree_set or resolve_tree_set_path(None, model.name if model else "entmtp-tiny")
+    if path is None:
+        ap.error("no tree set is shipped for this model: pass --tree-set FILE")
     ts = load_tree_set(path)
     batches = sorted({int(b) for b in args.batches.split(",")})
     if not batches or min(batches) < 1 or args.long <= args.short:

@@ -69,7 +69,10 @@ def entmtp_tree_set(model_dir: Path | None = None) -> tuple[Path, dict[str, int]
     from ..sglang.config import resolve_tree_set_path
     from ..tree.treeset import load_tree_set
 
-    path = resolve_tree_set_path(None, Path(model_dir).name if model_dir else "entmtp-tiny")
+    name = Path(model_dir).name if model_dir else "entmtp-tiny"
+    path = resolve_tree_set_path(None, name)
+    if path is None:
+        raise ValueError(f"no tree set is shipped for model {name!r}: set ENTMTP_TREE_SET=FILE to benchmark it")
     return path, {e.tree.name: e.tree.num_nodes for e in load_tree_set(path).trees}
 
 

@@ -1,10 +1,10 @@
-"""The SGLang adapter (groundwork): the only part of entmtp-sglang that knows SGLang's names.
+"""The SGLang adapter: the only part of entmtp-sglang that knows SGLang's names.
 
-Importing this package needs torch only, never SGLang. So far it holds `cpu_ops`: pure-torch
-versions of the `sgl_kernel` CPU ops that SGLang 0.5.23's CPU path imports, and
-`install_if_missing()`, which exposes them where SGLang looks them up. docs/SGLANG.md is the plan for
-the rest of the integration (plugin entry point, the ENTMTP speculative algorithm, a CPU attention
-backend for tree verify).
+Importing this package needs torch only, never SGLang. `plugin.py` is the `sglang.srt.plugins` entry point:
+it registers the ENTMTP algorithm (`algorithm.py`, `worker.py`), the `entmtp_torch` attention backend
+(`attention.py`) and hooks (`admission.py`: bad requests get 400; `sampling.py`: exact sampled verification
+on CPU; `observe.py` + `recording.py`: calibration records from verified steps). `cpu_ops.py` holds
+pure-torch versions of the `sgl_kernel` CPU ops SGLang 0.5.23's CPU path imports.
 """
 
 from .cpu_ops import CPU_OP_NAMES, InstallOutcome, install_if_missing, sglang_platform_plugin

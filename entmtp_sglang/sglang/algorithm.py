@@ -66,7 +66,8 @@ class EntMtpSpecAlgo(CustomSpecAlgo):
             raise EntMtpStartupError("ENTMTP needs an EAGLE-layout draft model: --speculative-draft-model-path DIR "
                              "(the bundled model's is entmtp_sglang/models/entmtp-tiny/eagle)")
         logger.info("ENTMTP: tree set %s (%d trees, up to %d nodes, depth %d, topk %d)",
-                    cfg.tree_set_path, len(ts.trees), ts.max_nodes, steps, topk)
+                    cfg.tree_set_path or "generic (no set for this model: calibrating online)", len(ts.trees),
+                    ts.max_nodes, steps, topk)
 
     def resolve_max_speculative_num_draft_tokens(self, server_args):
         return EntMtpConfig.from_server_args(server_args).load_tree_set().max_nodes

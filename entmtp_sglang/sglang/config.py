@@ -3,7 +3,12 @@
 The tree set comes from, in order: the `ENTMTP_TREE_SET` environment variable, SGLang's
 `--speculative-adaptive-config FILE` when FILE is an EntMTP tree set (JSON with
 `"format": "entmtp-tree-set"`), or the shipped EAGLE set for the served model's directory name
-(`entmtp_sglang/trees/<name>-eagle-mixed.json`: entmtp-tiny, smollm2-135m-instruct). `ENTMTP_GRAMMAR_DRAFT=0`
+(`entmtp_sglang/trees/<name>-eagle-mixed.json`: entmtp-tiny, smollm2-135m-instruct). With none of these,
+ENTMTP starts uncalibrated: a generic set (`tree/generic.py`, sized by `--speculative-num-steps` and
+`--speculative-eagle-topk` when given) whose acceptance predictor and step costs are refitted online from
+verified steps (`policy/online.py`). A set calibrated for another model is refused (the message says
+which) unless `ENTMTP_FORCE_TREE_SET=1`. `ENTMTP_RECORD=FILE` appends one JSON line per verified step
+(what `entmtp calibrate --engine sglang` reads). `ENTMTP_GRAMMAR_DRAFT=0`
 turns off the grammar-masked entropy and drafts of constrained requests (on by default; needs the overlap
 scheduler off, as on CPU). `ENTMTP_POLICY` picks how trees are scored: `entmtp` (default: the set's per-node
 acceptance predictor when it carries one, else its signal bins), `entmtp-bins` or `entmtp-predictor`.
@@ -16,11 +21,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..tree.generic import generic_tree_set
 from ..tree.treeset import FORMAT, TreeSet, TreeSetError, load_tree_set, shipped_tree_set
 
 ENV_TREE_SET = "ENTMTP_TREE_SET"
 ENV_GRAMMAR_DRAFT = "ENTMTP_GRAMMAR_DRAFT"   # "0" turns grammar-aware drafting and entropy off
 ENV_POLICY = "ENTMTP_POLICY"
+ENV_FORCE = "ENTMTP_FORCE_TREE_SET"     # "1": serve a tree set calibrated for another model
+ENV_RECORD = "ENTMTP_RECORD"           # a file: one JSON line per verified step (calibration through SGLang)
 PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
 SERVER_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor")
 
@@ -37,7 +45,15 @@ SGLANG_SIGNALS = ("draft_entropy", "draft_margin")  # signals the worker compute
 DEFAULT_TASK = "mixed"
 
 
-def resolve_tree_set_path(adaptive_config: str | None, model_name: str = "entmtp-tiny") -> Path:
+def _flag(name: str, default: str = "0") -> bool:
+    flag = os.environ.get(name, default).strip().lower()
+    if flag not in ("0", "1", "false", "true", "off", "on"):
+        raise ValueError(f"{name} must be 0 or 1, got {flag!r}")
+    return flag in ("1", "true", "on")
+
+
+def resolve_tree_set_path(adaptive_config: str | None, model_name: str = "entmtp-tiny") -> Path | None:
+    """The tree-set file to serve; None when there is none for this model (start with the generic set)."""
     env = os.environ.get(ENV_TREE_SET)
     if env:
         return Path(env)
@@ -52,18 +68,22 @@ def resolve_tree_set_path(adaptive_config: str | None, model_name: str = "entmtp
         if isinstance(data, dict) and data.get("format") == FORMAT:
             return p   # a JSON file that is not a tree set is SGLang's own adaptive config: the shipped set
     shipped = shipped_tree_set(DEFAULT_DRAFTER, DEFAULT_TASK, model_name)
-    return shipped if shipped.exists() else shipped_tree_set(DEFAULT_DRAFTER, DEFAULT_TASK)
+    return shipped if shipped.exists() else None
 
 
 @dataclass(frozen=True)
 class EntMtpConfig:
-    tree_set_path: Path
+    tree_set_path: Path | None      # None: no set for this model, start with the generic set
     model_name: str                 # the served model's directory name; the tree set must match it
     hysteresis: float = 0.02        # as the reference engine's EntMTP policy
     max_nodes: int | None = None
     log_interval_s: float = 30.0
     grammar_drafting: bool = True   # constrained requests: grammar-masked entropy and drafts
     policy: str = "entmtp"          # SERVER_POLICIES
+    force: bool = False             # serve a set calibrated for another model
+    record_path: Path | None = None # ENTMTP_RECORD
+    generic_depth: int = 4          # the generic set's depth and width (zero-setup start)
+    generic_topk: int = 2
 
     def __post_init__(self):
         if self.policy not in SERVER_POLICIES:
@@ -74,21 +94,33 @@ class EntMtpConfig:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
         if self.log_interval_s <= 0:
             raise ValueError(f"log_interval_s must be positive, got {self.log_interval_s}")
+        if not 1 <= self.generic_depth <= 8 or not 1 <= self.generic_topk <= 8:
+            raise ValueError(f"the generic tree set needs --speculative-num-steps in 1..8 and "
+                             f"--speculative-eagle-topk in 1..8, got {self.generic_depth}, {self.generic_topk}")
 
     @classmethod
     def from_server_args(cls, server_args) -> "EntMtpConfig":
         model = Path(str(server_args.model_path).rstrip("/")).name
         path = resolve_tree_set_path(getattr(server_args, "speculative_adaptive_config", None), model)
-        flag = os.environ.get(ENV_GRAMMAR_DRAFT, "1").strip().lower()
-        if flag not in ("0", "1", "false", "true", "off", "on"):
-            raise ValueError(f"{ENV_GRAMMAR_DRAFT} must be 0 or 1, got {flag!r}")
-        return cls(tree_set_path=path, model_name=model, grammar_drafting=flag in ("1", "true", "on"),
-                   policy=os.environ.get(ENV_POLICY, "entmtp").strip().lower() or "entmtp")
+        record = os.environ.get(ENV_RECORD, "").strip()
+        steps, topk = getattr(server_args, "speculative_num_steps", None), getattr(server_args,
+                                                                                   "speculative_eagle_topk", None)
+        return cls(tree_set_path=path, model_name=model, grammar_drafting=_flag(ENV_GRAMMAR_DRAFT, "1"),
+                   policy=os.environ.get(ENV_POLICY, "entmtp").strip().lower() or "entmtp",
+                   force=_flag(ENV_FORCE), record_path=Path(record) if record else None,
+                   generic_depth=int(steps) if steps else 4, generic_topk=int(topk) if topk else 2)
+
+    @property
+    def uncalibrated(self) -> bool:
+        return self.tree_set_path is None
 
     def load_tree_set(self) -> TreeSet:
         """Load and validate; the error names the file and the problem (wrong model, bad node, ...)."""
+        if self.tree_set_path is None:
+            return generic_tree_set(self.model_name, self.generic_depth, self.generic_topk, DEFAULT_DRAFTER)
         try:
-            ts = load_tree_set(self.tree_set_path, model=self.model_name, drafter=DEFAULT_DRAFTER)
+            ts = load_tree_set(self.tree_set_path, model=None if self.force else self.model_name,
+                               drafter=DEFAULT_DRAFTER)
             if self.policy == "entmtp-predictor" and ts.predictor is None:
                 raise TreeSetError(f"{self.tree_set_path} carries no acceptance predictor, which "
                                    f"{ENV_POLICY}=entmtp-predictor needs (entmtp calibrate ... --records-only "
@@ -98,6 +130,9 @@ class EntMtpConfig:
                                    f"the draft's own logits, one of {SGLANG_SIGNALS}")
             return ts
         except TreeSetError as e:
-            raise TreeSetError(f"ENTMTP cannot start: {e}. Pass a tree set calibrated for this model with "
-                               f"{ENV_TREE_SET}=FILE or --speculative-adaptive-config FILE "
-                               f"(entmtp calibrate --drafter eagle --model DIR)") from None
+            hint = f" ({ENV_FORCE}=1 serves it anyway)" if "calibrated for model" in str(e) else ""
+            raise TreeSetError(f"ENTMTP cannot start: {e}{hint}. Pass a tree set calibrated for this model with "
+                               f"{ENV_TREE_SET}=FILE or --speculative-adaptive-config FILE (make one with "
+                               f"`entmtp calibrate --engine sglang --model-path DIR "
+                               f"--speculative-draft-model-path DIR`), or pass none to start uncalibrated "
+                               f"with a generic set") from None

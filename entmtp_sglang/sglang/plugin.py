@@ -78,9 +78,10 @@ def _register_attention() -> None:
         check_signature(dotted, params)
     HookRegistry.register(DRAFT_BACKEND_FACTORY, _draft_backend_around, HookType.AROUND)
     HookRegistry.register(OUTPUT_STREAMER, output_streamer_hook, HookType.AFTER)
-    from .admission import register_hooks
+    from . import admission, observe, sampling
 
-    register_hooks(check_signature)
+    for module in (admission, observe, sampling):
+        module.register_hooks(check_signature)
 
 
 def register() -> None:

@@ -31,9 +31,11 @@ import torch
 from ..engine.sampling import top_probs
 from ..policy.controller import RequestInput, TreeController
 from ..policy.signals import draft_signal, least_predictable
-from . import grammar_draft, visibility
+from ..tree.acceptance import AcceptancePredictor
+from . import grammar_draft, observe, visibility
 from .attention import MultiStepDraftBackend
 from .config import EntMtpConfig, pin_of
+from .recording import StepObserver
 from .sglang_api import EAGLEWorkerV2, ForwardContext, forward_context, get_context, per_step_draft_out_cache_loc
 from .tree_plan import plan_tree
 
@@ -88,6 +90,12 @@ class EntMtpWorker(EAGLEWorkerV2):
         self._last_extend = None
         self._step_reqs: list = []
         self._root_logits: dict[str, torch.Tensor] = {}   # rid -> draft root logits, constrained requests
+        # calibration through SGLang: records of verified steps (ENTMTP_RECORD) and, with no tree set for
+        # this model, online refits of the generic set's predictor and costs (recording.py)
+        self.observer = StepObserver.for_worker(self.config, self.tree_set)
+        if self.observer is not None:
+            observe.enable()
+        self._chosen: int | None = None
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
         # The grammar objects are read (and rolled back) on this thread; under the overlap scheduler the
         # scheduler may be advancing them concurrently, so grammar-aware drafting skips overlapped batches.
@@ -111,9 +119,26 @@ class EntMtpWorker(EAGLEWorkerV2):
         if decode and not batch.forward_mode.is_idle() and self._draft_worker is not None:
             self._choose(batch)
         self._last_extend = None
+        start = time.perf_counter()
         out = super().forward_batch_generation(batch, *args, **kwargs)
+        if decode and self.observer is not None and not batch.forward_mode.is_idle():
+            self._observe(batch, time.perf_counter() - start)
         self._record_signals(batch)
         return out
+
+    def _observe(self, batch, seconds: float) -> None:
+        obs = self.observer
+        try:
+            obs.step(batch.reqs, self._plan, self._chosen, seconds, observe.take())
+            if obs.online is not None and obs.online.due():
+                ts = obs.online.refit()
+                self.tree_set = self.controller.tree_set = ts
+                self.controller.predictor = AcceptancePredictor.from_json(ts.predictor)
+                logger.info("ENTMTP online calibration (refit %d, %d steps): %s", obs.online.refits,
+                            obs.online.steps, obs.online.summary())
+        except Exception:   # observing must never fail a request
+            logger.exception("ENTMTP: recording a verified step failed; recording stops")
+            self.observer = None
 
     def _choose(self, batch) -> None:
         reqs = batch.reqs
@@ -123,8 +148,9 @@ class EntMtpWorker(EAGLEWorkerV2):
                 raise _PlainStep
             self._grammar_signals(batch, reqs)
             unknown = least_predictable(self.signal)
+            probe = self.observer.probe_tree(self.steps) if self.observer is not None else None
             inputs = [RequestInput(r.rid, self.signals.get(r.rid, unknown), self.probs.get(r.rid, ()), self._room(r),
-                                   self._pin(r)) for r in reqs]
+                                   self._pin(r) or probe) for r in reqs]
             known = [x.signal for x in inputs if x.signal != unknown]
             h = sum(known) / len(known) if known else unknown
             idx = self.controller.choose(inputs, len(reqs))
@@ -135,6 +161,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         except Exception:   # the policy must never fail a request: decode plainly this step
             logger.exception("ENTMTP: tree choice failed; this step decodes without speculation")
         self._plan = plan
+        self._chosen = self._index_by_name.get(plan.tree.name if plan is not None else "chain:0")
         name = plan.tree.name if plan is not None else "plain"
         n, steps = (plan.num_nodes, plan.num_steps) if plan is not None else (1, 0)
         self.histogram[name] += 1
@@ -216,6 +243,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             return
         h = draft_signal(self.signal, logits.float())
         top = top_probs(logits).tolist()
+        if self.observer is not None:
+            self.observer.roots(batch.reqs, logits)
         for i, (r, v) in enumerate(zip(batch.reqs, h.tolist())):
             self.signals[r.rid] = v
             self.probs[r.rid] = tuple(top[i])
@@ -271,6 +300,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             logits = logits_output.next_token_logits.view(bs, topk, -1)
             hid = logits_output.hidden_states.view(bs, topk, -1)
             top = torch.topk(logits, topk, dim=-1).indices      # (bs, topk rows, topk ranks)
+            if self.observer is not None:
+                self.observer.expanded(col, logits)
             if grammars and step + 1 < steps:
                 self._grammar_children(top, logits, col, token, plan, grammars)
             for c, n in enumerate(col):
@@ -282,6 +313,8 @@ class EntMtpWorker(EAGLEWorkerV2):
         parent_list = torch.tensor(plan.parent_list, dtype=torch.long, device=dev).expand(bs, -1).contiguous()
         selected = torch.tensor(plan.selected, dtype=torch.long, device=dev).expand(bs, -1).contiguous()
         draft_tokens = torch.stack([token[i] for i in plan.selected_nodes], 1)
+        if self.observer is not None:
+            self.observer.drafted(token)
         return parent_list, selected, draft_tokens, None
 
     def _grammar_topk(self, logits, grammar, path):

@@ -169,11 +169,15 @@ def fit_predictor(records: Sequence, max_depth: int | None = None, max_rank: int
     if not recs:
         raise ValueError("no calibration record carries draft probabilities; record them again with "
                          "`entmtp calibrate ... --records-only`")
-    depth = min(len(r.draft_probs) for r in recs)
+    depth = max(len(r.draft_probs) for r in recs)
     depth = depth if max_depth is None else min(depth, max_depth)
-    rank = min(len(r.draft_probs[0]) for r in recs)
+    rank = min(len(row) for r in recs for row in r.draft_probs)
     rank = rank if max_rank is None else min(rank, max_rank)
-    def reached(r, d):  # the true path to depth d - 1 was draftable
+
+    def reached(r, d):  # depth d was observed (records from served steps: rank -1 where a step cannot
+        # tell), and the true path to depth d - 1 was draftable
+        if len(r.draft_probs) <= d or r.ranks[d] < 0:
+            return False
         return parent_within is None or all(x < parent_within for x in r.ranks[:d])
 
     by_depth = []

@@ -1,0 +1,284 @@
+"""Calibration through SGLang: a tree set for the model and drafter a user serves, from their directories.
+
+    entmtp calibrate --engine sglang --model-path MODEL --speculative-draft-model-path DRAFT --prompts code
+
+1. Start `sglang.launch_server` with ENTMTP, a recording tree set (`recording_trees`: a tree wide at depths
+   1 and 2 and deep along the top candidates, and the cost grid), and `ENTMTP_RECORD=FILE`, so the worker
+   writes one record per verified step (sglang/recording.py).
+2. Decode the prompts greedily, every request pinned to the recording tree: each step records, along the
+   target's own continuation through the drafted tree, the rank of the target's token among the drafter's
+   top candidates and the drafter's probabilities (ranks the tree cannot tell are -1 and count as misses).
+3. Time every grid tree inside the same server, pinned, at each batch size asked for, and fit
+   seconds = base + per_node * nodes + per_depth * depth per batch size.
+4. Build the tree set as the offline calibration does (`calibrate.build_tree_set`: bins of the draft signal
+   that best predicts acceptance, greedy trees per bin and budget, Pareto-optimal ones kept, the per-node
+   acceptance predictor fitted), named for the served model so ENTMTP accepts it, with its Pareto plot and
+   records beside it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import statistics
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .calibrate import (
+    CalibrationConfig,
+    PositionRecord,
+    StepCostModel,
+    build_tree_set,
+    fit_step_cost,
+    pearson,
+    signals_of,
+)
+from .tree import Tree
+from .tree.treeset import TreeEntry, TreeSet
+
+RECORD_TREE = "record"
+SGLANG_SIGNALS = ("draft_entropy", "draft_margin")
+ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+
+
+def record_tree(depth: int) -> Tree:
+    """Three candidates at depth 1, three under the top one and two under the second at depth 2, and the top
+    candidate's chain below each depth-2 node to `depth` (the ranks a calibrated tree usually uses)."""
+    parents = [-1, 0, 0, 0]                     # 1, 2, 3: ranks 0-2 at depth 1
+    heads = []
+    for parent, width in ((1, 3), (2, 2)):
+        for _ in range(width):
+            parents.append(parent)
+            heads.append(len(parents) - 1)
+    for head in heads[:1] + heads[3:4]:         # chains under the top candidate of each depth-1 branch
+        below = head
+        for _ in range(depth - 2):
+            parents.append(below)
+            below = len(parents) - 1
+    return Tree(tuple(parents), name=RECORD_TREE)
+
+
+def cost_grid(depth: int, widths=(1, 2, 3)) -> list[Tree]:
+    """Chains of every depth with `w - 1` extra leaf candidates under each chain node (nodes = 1 + w * d):
+    node count and depth vary independently while every draft step expands one row."""
+    out = [Tree.chain(0)]
+    for d in range(1, depth + 1):
+        for w in widths:
+            parents = [-1]
+            chain = 0
+            for _ in range(d):
+                parents.append(chain)
+                nxt = len(parents) - 1
+                parents += [chain] * (w - 1)
+                chain = nxt
+            out.append(Tree(tuple(parents), name=f"grid:w{w}d{d}"))
+    return out
+
+
+def recording_tree_set(model: str, depth: int) -> TreeSet:
+    trees = [record_tree(depth), *cost_grid(depth)]
+    entries = tuple(TreeEntry(t, (0.0,), {1: 1.0}) for t in trees)
+    return TreeSet(model=model, drafter="eagle", task="recording", signal="draft_margin", bin_edges=(),
+                   trees=entries, hardware="recording", provenance={"recording": True})
+
+
+def load_prompt_items(source: str, count: int) -> list[dict]:
+    """A shipped task's calibration prompts, or a JSONL file: one JSON string, {"prompt": ...} / {"text": ...},
+    or {"messages": [...]} per line."""
+    from .tasks import TASKS, interleave, load_prompts
+
+    if source in TASKS or source == "mixed":
+        items = (interleave(("prose", "json", "code"), "calib", count // 3 + 1)[:count] if source == "mixed"
+                 else load_prompts(source, "calib", count))
+        return items
+    path = Path(source)
+    if not path.exists():
+        raise ValueError(f"--prompts {source!r} is neither a task ({', '.join(TASKS)}, mixed) nor a file")
+    items = []
+    for i, line in enumerate(path.read_text().splitlines()):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"{path}:{i + 1}: not JSON ({e})") from None
+        if isinstance(obj, str):
+            obj = {"prompt": obj}
+        if not isinstance(obj, dict) or not ({"prompt", "text", "messages"} & obj.keys()):
+            raise ValueError(f"{path}:{i + 1}: expected a string or an object with prompt, text or messages")
+        items.append(obj)
+        if len(items) == count:
+            break
+    if not items:
+        raise ValueError(f"{path}: no prompts")
+    return items
+
+
+def chat_template(model_dir: Path) -> str | None:
+    """The model's chat template, as Hugging Face keeps it: chat_template.jinja, else tokenizer_config.json."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    cfg = model_dir / "tokenizer_config.json"
+    template = json.loads(cfg.read_text()).get("chat_template") if cfg.exists() else None
+    return template if isinstance(template, str) else None
+
+
+def prompt_texts(items: list[dict], model_path: Path) -> list[str]:
+    """Each item as the text the model sees: through the model's chat template when it has one."""
+    import jinja2
+
+    from .tasks import user_message
+
+    template = chat_template(Path(model_path))
+    out = []
+    for it in items:
+        if "text" in it or not template:
+            out.append(it.get("text") or it.get("prompt") or "".join(m.get("content", "") for m in it["messages"]))
+            continue
+        messages = it.get("messages") or [{"role": "user", "content": user_message(it)}]
+        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
+        out.append(env.from_string(template).render(messages=messages, add_generation_prompt=True))
+    return out
+
+
+@dataclass(frozen=True)
+class SGLangCalibration:
+    model_path: Path
+    draft_path: Path
+    algorithm: str = "EAGLE"
+    device: str = "cpu"
+    attention_backend: str | None = None      # default: entmtp_torch on CPU, SGLang's choice elsewhere
+    dtype: str = "float32"
+    max_new_tokens: int = 64
+    batch_sizes: tuple[int, ...] = (1, 8)
+    concurrency: int = 8
+    max_depth: int = 5
+    bins: int = 4
+    task: str = "custom"
+    extra_args: tuple[str, ...] = field(default_factory=tuple)
+
+    def __post_init__(self):
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {', '.join(ALGORITHMS)}, got {self.algorithm}")
+        for name, p in (("--model-path", self.model_path), ("--speculative-draft-model-path", self.draft_path)):
+            if not (Path(p) / "config.json").exists():
+                raise ValueError(f"{name} {p}: no config.json there (a Hugging Face model directory is needed)")
+        if not self.batch_sizes or min(self.batch_sizes) < 1 or 1 not in self.batch_sizes:
+            raise ValueError(f"--batch-sizes must include 1 and be positive, got {self.batch_sizes}")
+        if not 2 <= self.max_depth <= 8 or self.max_new_tokens < 2 or self.concurrency < 1:
+            raise ValueError("need --max-depth in 2..8, --max-new-tokens >= 2 and --concurrency >= 1")
+
+    @property
+    def model_name(self) -> str:
+        return Path(str(self.model_path).rstrip("/")).name
+
+    def server_args(self) -> list[str]:
+        attention = self.attention_backend or ("entmtp_torch" if self.device == "cpu" else None)
+        args = ["--model-path", str(self.model_path), "--speculative-algorithm", "ENTMTP",
+                "--speculative-draft-model-path", str(self.draft_path), "--device", self.device,
+                "--dtype", self.dtype, "--log-level", "warning"]
+        if attention:
+            args += ["--attention-backend", attention]
+        if self.device == "cpu":
+            args += ["--disable-cuda-graph", "--max-total-tokens", "20000"]
+        return args + list(self.extra_args)
+
+
+def read_steps(path: Path) -> list[dict]:
+    out = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            if line.strip():
+                out.append(json.loads(line))
+    return out
+
+
+def records_of(steps: list[dict], tree: str = RECORD_TREE) -> list[PositionRecord]:
+    """The recording tree's position records, numbered per request in the order they were decoded."""
+    import math
+
+    out = []
+    for s in steps:
+        if s["tree"] != tree:
+            continue
+        for prompt, pos, de, te, ranks, margin, probs in s["records"]:
+            f = lambda v: math.nan if v is None else float(v)  # noqa: E731
+            out.append(PositionRecord(prompt, pos, f(de), f(te), tuple(ranks), f(margin),
+                                      tuple(tuple(p) for p in probs)))
+    return out
+
+
+def step_seconds(steps: list[dict], tree: str, batch: int) -> list[float]:
+    """Step times of `tree` at batch size `batch` (the largest batch it ran at, if it never reached `batch`)."""
+    mine = [s for s in steps if s["tree"] == tree]
+    if not mine:
+        return []
+    size = batch if any(s["batch"] == batch for s in mine) else max(s["batch"] for s in mine)
+    return [s["seconds"] for s in mine if s["batch"] == size]
+
+
+def best_signal(records: list[PositionRecord], window: int = 8) -> str:
+    sig = signals_of(records, window)
+    acc = [float(r.chain_accepted) for r in records]
+    return max(SGLANG_SIGNALS, key=lambda k: abs(pearson(sig[k], acc)) if k in sig else -1.0)
+
+
+def run(cal: SGLangCalibration, items: list[dict], out: Path, log=print, progress=None) -> TreeSet:
+    """Everything above; writes `out`, its .png and its .records.jsonl, returns the set."""
+    from .bench.sglang_server import SGLangServer, free_port
+    from .calibrate import plot_pareto, save_records
+    from .sglang.config import ENV_RECORD, ENV_TREE_SET, PIN_KEY
+
+    texts = prompt_texts(items, cal.model_path)
+    work = Path(tempfile.mkdtemp(prefix="entmtp-calibrate-"))
+    rec_set = recording_tree_set(cal.model_name, cal.max_depth)
+    rec_set.save(work / "recording-set.json")
+    steps_file = work / "steps.jsonl"
+    env = {ENV_TREE_SET: str(work / "recording-set.json"), ENV_RECORD: str(steps_file)}
+    server = SGLangServer(cal.server_args(), free_port(), env, work / "server.log")
+    log(f"starting SGLang with ENTMTP in recording mode (log: {server.log_path})")
+    with server:
+        def decode(text: str, tree: str, max_new: int) -> None:
+            server.generate(text, max_new, 0.0, custom_params={PIN_KEY: tree})
+            if progress is not None:
+                progress.update(1)
+
+        with cf.ThreadPoolExecutor(cal.concurrency) as pool:
+            list(pool.map(lambda t: decode(t, RECORD_TREE, cal.max_new_tokens), texts))
+        records = records_of(read_steps(steps_file))
+        if not records:
+            raise RuntimeError(f"the server recorded no verified step; see {server.log_path}")
+        log(f"{len(records)} positions recorded from {len(texts)} prompts; timing {len(rec_set.trees) - 1} "
+            f"trees at batch sizes {list(cal.batch_sizes)}")
+        grid = [e.tree for e in rec_set.trees if e.tree.name != RECORD_TREE]
+        short = texts[: max(cal.batch_sizes)] * (max(cal.batch_sizes) // max(1, len(texts)) + 1)
+        for b in cal.batch_sizes:
+            for t in grid:
+                with cf.ThreadPoolExecutor(b) as pool:
+                    list(pool.map(lambda x, name=t.name: server.generate(x, 16, 0.0, custom_params={PIN_KEY: name}),
+                                  short[:b] * 2 if b == 1 else short[:b]))
+    steps = read_steps(steps_file)
+    models: dict[int, StepCostModel] = {}
+    for b in cal.batch_sizes:
+        pairs = [(t, statistics.median(s)) for t in grid if (s := step_seconds(steps, t.name, b))]
+        if len(pairs) < 3:
+            raise RuntimeError(f"too few timed steps at batch size {b} to fit a step-cost model")
+        models[b] = fit_step_cost([t for t, _ in pairs], [s for _, s in pairs])
+        log(f"batch {b}: step seconds = {models[b].base:.4f} + {models[b].per_node:.5f} * nodes + "
+            f"{models[b].per_depth:.5f} * depth")
+    cfg = CalibrationConfig("eagle", cal.task, len(texts), cal.max_new_tokens, max_depth=cal.max_depth,
+                            num_bins=cal.bins)
+    ts, points = build_tree_set(None, records, texts, cfg, log=log, signal=best_signal(records), models=models,
+                                model_name=cal.model_name,
+                                hardware_name=f"{cal.device} via SGLang ({cal.dtype}, {cal.algorithm} drafter "
+                                              f"{Path(cal.draft_path).name})")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    ts.save(out)
+    save_records(records, out.with_suffix(".records.jsonl"))
+    try:
+        plot_pareto(points, ts, out.with_suffix(".png"))
+    except Exception as e:  # a plot is a convenience; the set is what matters
+        log(f"no Pareto plot ({e})")
+    return ts

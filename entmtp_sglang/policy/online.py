@@ -1,0 +1,186 @@
+"""Calibration from verification outcomes, for a served model: records of verified steps, and online refits.
+
+A verified step of one request tells, along the path the target actually takes through the drafted tree, the
+rank of the target's token among the drafter's candidates at each drafted node on that path (greedy: the
+target's argmax), and the drafter's top probabilities there. `position_record` turns one step into the same
+`PositionRecord` the offline calibration writes (`calibrate.py`), with rank -1 where the step cannot tell
+(the path left the drafted tree, or reached a node that was not expanded). Those records feed both
+`entmtp calibrate --engine sglang` (a tree set from a recording run) and `OnlineCalibration`, which ENTMTP
+runs when it starts with a generic set (`tree/generic.py`): every `refit_every` steps it refits the
+per-node acceptance predictor on the records so far (depths with too few observations keep the prior) and
+the step costs on the timed steps (seconds = base + per_node * nodes + per_level * depth, least squares once
+three tree shapes are measured, else the prior scaled to what was measured).
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+import statistics
+from dataclasses import dataclass, field, replace
+from typing import Sequence
+
+from ..calibrate import PositionRecord
+from ..tree.acceptance import AcceptancePredictor, fit_predictor
+from ..tree.generic import TYPICAL_ROOT, prior_cost, prior_predictor
+from ..tree.topology import Tree
+from ..tree.treeset import TreeEntry, TreeSet
+
+MIN_KNOWN = 40          # observations of a depth before its fitted map replaces the prior
+RECENT = 32             # step times kept per tree shape and batch bucket
+BUCKETS = (1, 8, 32)    # batch sizes step costs are kept for (nearest on a log scale)
+
+
+@dataclass(frozen=True)
+class StepObservation:
+    """One request's verified step. `expanded[node]`: the drafter's top candidates for the node's children
+    (token ids and probabilities, descending; node 0: the root's distribution); `target[node]`: the target's
+    token after the node."""
+
+    parents: tuple[int, ...]
+    tokens: tuple[int, ...]
+    expanded: dict
+    target: tuple[int, ...]
+
+
+def position_record(obs: StepObservation, max_depth: int, max_rank: int, prompt: int = 0, pos: int = 0,
+                    draft_entropy: float = math.nan, target_entropy: float = math.nan,
+                    draft_margin: float = math.nan) -> PositionRecord:
+    tree = Tree(obs.parents)
+    ranks: list[int] = []
+    probs: list[tuple[float, ...]] = []
+    node = 0
+    while len(ranks) < max_depth and node in obs.expanded:
+        ids, ps = obs.expanded[node]
+        want = obs.target[node]
+        ids = list(ids)[:max_rank]
+        ranks.append(ids.index(want) if want in ids else max_rank)
+        probs.append(tuple(round(float(p), 3) for p in list(ps)[:max_rank]))
+        node = next((c for c in tree.children[node] if obs.tokens[c] == want), None)
+        if node is None:
+            break
+    ranks += [-1] * (max_depth - len(ranks))
+    return PositionRecord(prompt, pos, draft_entropy, target_entropy, tuple(ranks), draft_margin, tuple(probs))
+
+
+def known_counts(records: Sequence[PositionRecord], depth: int) -> list[int]:
+    return [sum(1 for r in records if len(r.draft_probs) > d and r.ranks[d] >= 0) for d in range(depth)]
+
+
+def bucket(batch_size: int) -> int:
+    return min(BUCKETS, key=lambda b: abs(math.log(b) - math.log(max(1, batch_size))))
+
+
+def fit_costs(trees: Sequence[Tree], measured: dict[tuple[int, int], tuple[float, int]],
+              bkt: int) -> list[float] | None:
+    """Seconds per step of every tree at batch bucket `bkt` from the (tree index, bucket) -> (mean seconds,
+    count) measured so far; None when nothing was measured at that bucket."""
+    pts = [(trees[i], s, n) for (i, b), (s, n) in measured.items() if b == bkt]
+    if not pts:
+        return None
+    shapes = {(t.num_nodes, t.max_depth) for t, _, _ in pts}
+    if len(shapes) >= 3:
+        import torch
+
+        x = torch.tensor([[1.0, t.num_nodes - 1, t.max_depth] for t, _, _ in pts], dtype=torch.float64)
+        w = torch.tensor([math.sqrt(n) for _, _, n in pts], dtype=torch.float64).view(-1, 1)
+        y = torch.tensor([[s] for _, s, _ in pts], dtype=torch.float64)
+        coef = torch.linalg.lstsq(x * w, y * w).solution.view(-1).tolist()
+        base, per_node, per_level = coef[0], max(coef[1], 0.0), max(coef[2], 0.0)
+        floor = min(s for _, s, _ in pts) * 0.5
+        fitted = [max(base + per_node * (t.num_nodes - 1) + per_level * t.max_depth, floor) for t in trees]
+    else:
+        scale = sum(s / prior_cost(t) * n for t, s, n in pts) / sum(n for _, _, n in pts)
+        fitted = [prior_cost(t) * scale for t in trees]
+    for (i, b), (s, n) in measured.items():   # a tree measured often enough is its own estimate
+        if b == bkt and n >= 8:
+            fitted[i] = s
+    return fitted
+
+
+@dataclass
+class OnlineCalibration:
+    """Refits a generic tree set's predictor and costs from what the server observes."""
+
+    tree_set: TreeSet
+    refit_every: int = 64
+    max_records: int = 8192
+    max_rank: int = 6
+    records: collections.deque = field(default_factory=collections.deque)
+    measured: dict = field(default_factory=dict)    # (tree index, bucket) -> (mean seconds, count)
+    steps: int = 0
+    refits: int = 0
+
+    def __post_init__(self):
+        self.records = collections.deque(self.records, maxlen=self.max_records)
+        self.prior = prior_predictor(self.tree_set.max_depth)
+        self._recent: dict = {}
+        self._warm: set = set()
+
+    def observe(self, records: Sequence[PositionRecord]) -> None:
+        self.records.extend(records)
+
+    def observe_time(self, tree_index: int, batch_size: int, seconds: float) -> None:
+        """One step's wall time. A shape's first step is a warm-up (allocations, first-call paths) and is
+        dropped; the estimate is the median of the shape's last `RECENT` steps (the machine's load changes)."""
+        self.steps += 1
+        key = (tree_index, bucket(batch_size))
+        seen = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
+        if key not in self._warm:
+            self._warm.add(key)
+            return
+        seen.append(seconds)
+        self.measured[key] = (statistics.median(seen), len(seen))
+
+    def due(self) -> bool:
+        return self.steps >= (self.refits + 1) * self.refit_every
+
+    def predictor(self) -> AcceptancePredictor:
+        depth = self.tree_set.max_depth
+        recs = [r for r in self.records if r.draft_probs]
+        known = known_counts(recs, depth)
+        if not recs or known[0] < MIN_KNOWN:
+            return self.prior
+        fitted = fit_predictor(recs, depth, self.max_rank)
+        fits = [d < fitted.max_depth and known[d] >= MIN_KNOWN for d in range(depth)]
+        by_depth = tuple(fitted.by_depth[d] if fits[d] else self.prior.by_depth[d] for d in range(depth))
+        bins = len(fitted.root_edges) + 1
+        deep = tuple(fitted.deep[d] if fits[d]
+                     else tuple(_pad(self.prior.deep[d][0], len(fitted.deep[0][0])) for _ in range(bins))
+                     for d in range(depth))
+        return AcceptancePredictor(by_depth, deep, fitted.root_edges, len(recs))
+
+    def refit(self) -> TreeSet:
+        """The set with its predictor and costs refitted on everything observed so far."""
+        self.refits += 1
+        pred = self.predictor()
+        trees = [e.tree for e in self.tree_set.trees]
+        costs = {b: fit_costs(trees, self.measured, b) for b in BUCKETS}
+        costs = {b: c for b, c in costs.items() if c is not None}
+        entries = []
+        for i, e in enumerate(self.tree_set.trees):
+            exp = min(pred.expected_accepted(e.tree, [TYPICAL_ROOT]), e.tree.max_depth)
+            entries.append(TreeEntry(e.tree, (exp,) * self.tree_set.num_bins,
+                                     {b: c[i] for b, c in costs.items()} or dict(e.cost_seconds)))
+        self.tree_set = replace(self.tree_set, trees=tuple(entries), predictor=pred.to_json(),
+                                provenance={**self.tree_set.provenance, "online_positions": len(self.records),
+                                            "online_steps": self.steps})
+        return self.tree_set
+
+    def summary(self) -> str:
+        depth = self.tree_set.max_depth
+        recs = list(self.records)
+        known = known_counts(recs, depth)
+        rates = []
+        for d in range(depth):
+            hits = sum(1 for r in recs if len(r.ranks) > d and r.ranks[d] == 0)
+            rates.append(f"{hits / known[d]:.2f}" if known[d] else "?")
+        c1 = {self.tree_set.trees[i].tree.name: f"{s * 1e3:.1f}ms" for (i, b), (s, _) in
+              sorted(self.measured.items()) if b == 1}
+        return (f"{len(recs)} positions; top-1 draft accepted by depth [{', '.join(rates)}] (observations "
+                f"{known}); step time at batch 1 {c1 or 'not yet measured'}")
+
+
+def _pad(row: Sequence[float], n: int) -> tuple[float, ...]:
+    row = tuple(row)[:n]
+    return row + (row[-1],) * (n - len(row))

@@ -1,0 +1,145 @@
+"""Sampled ENTMTP requests on CPU keep the target distribution, through a real SGLang server (issue 14, item 4).
+
+On CPU SGLang verifies every speculative algorithm greedily; ENTMTP verifies sampled requests by tree
+rejection sampling (`entmtp_sglang.sglang.sampling`). One prompt is sent many times at temperature 0.8, each
+request with its own `sampling_seed` (so the run is reproducible); the first generated token comes from the
+prefill's sampler and the second from ENTMTP's verification (an accepted draft or the bonus token). Their joint
+counts are tested against p(x1) p(x2 | x1), computed exactly from the bundled target model in float32
+(Pearson's chi-square, fixed seeds). The same test on a server that verifies greedily
+(`ENTMTP_CPU_SAMPLING=0`, SGLang's own behaviour on CPU) must fail, so the test has power.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+
+import pytest
+import torch
+
+from entmtp_sglang.testing import import_sglang_or_skip
+
+import_sglang_or_skip()
+
+from entmtp_sglang.bench.sglang_server import SGLangServer  # noqa: E402
+from entmtp_sglang.model.load import BUNDLED_MODEL, load_bundle, load_target  # noqa: E402
+from entmtp_sglang.tasks import load_prompts  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+TEMPERATURE = 0.8
+REQUESTS = 400
+TOP = 12          # first tokens whose continuation distribution is computed; the rest pooled
+
+
+def chi2_sf(stat: float, dof: int) -> float:
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+@pytest.fixture(scope="module")
+def bundle():
+    return load_bundle(BUNDLED_MODEL, "eagle")
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(bundle) -> list[int]:
+    return bundle.tokenizer.item_ids(load_prompts("code", "test", 1)[0], keep=200)
+
+
+@pytest.fixture(scope="module")
+def target_joint(prompt_ids, bundle):
+    """{(x1, x2): probability} for the TOP most likely x1 ((x1, None) where x1 ends the text), plus
+    ("other", None) for every x1 outside them."""
+    model = load_target(BUNDLED_MODEL).eval()
+
+    def next_probs(ids):
+        with torch.no_grad():
+            h = model(torch.tensor([ids]))
+        return torch.softmax(model.logits(h[0, -1]).double() / TEMPERATURE, -1)
+
+    p1 = next_probs(prompt_ids)
+    top = torch.topk(p1, TOP).indices.tolist()
+    joint = {}
+    for x1 in top:
+        if x1 == bundle.eos_token_id:
+            joint[(x1, None)] = float(p1[x1])
+            continue
+        p2 = next_probs(prompt_ids + [x1])
+        for x2, q in enumerate(p2.tolist()):
+            joint[(x1, x2)] = float(p1[x1]) * q
+    joint[("other", None)] = 1.0 - float(p1[top].sum())
+    return joint
+
+
+def sample_pairs(server: SGLangServer, ids: list[int], requests: int = REQUESTS) -> tuple[dict, int]:
+    def one(seed: int):
+        out = server.generate_ids(ids, max_new_tokens=3, temperature=TEMPERATURE, sampling_seed=seed)
+        got = out["output_ids"][:2]
+        return (got[0], got[1] if len(got) > 1 else None), out["meta_info"]
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(requests)))
+    counts: dict = {}
+    for (x1, x2), _ in results:
+        counts[(x1, x2)] = counts.get((x1, x2), 0) + 1
+    return counts, sum(int(m.get("spec_verify_ct") or 0) for _, m in results)
+
+
+def chi2_pvalue(counts: dict, joint: dict) -> float:
+    """Pearson's test of observed (x1, x2) counts against `joint`; cells expecting < 5 are pooled."""
+    total = sum(counts.values())
+    known_x1 = {k[0] for k in joint if k[0] != "other"}
+    folded: dict = {}
+    for (x1, x2), c in counts.items():
+        key = (x1, x2) if x1 in known_x1 else ("other", None)
+        folded[key] = folded.get(key, 0) + c
+    obs, exp, pool_o, pool_e = [], [], 0, 0.0
+    for key, p in joint.items():
+        e = p * total
+        if e < 5:
+            pool_o, pool_e = pool_o + folded.get(key, 0), pool_e + e
+        else:
+            obs.append(folded.get(key, 0))
+            exp.append(e)
+    obs.append(pool_o)
+    exp.append(pool_e)
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    return chi2_sf(stat, len(obs) - 1)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("sglang-sampling-logs")
+    f32 = ("--dtype", "float32", "--random-seed", "0")
+    exact = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp.log", extra=f32)
+    greedy = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp-greedy.log", extra=f32,
+                              env={"ENTMTP_CPU_SAMPLING": "0"})
+    exact.start(wait=False)
+    greedy.start(wait=False)
+    try:
+        exact.wait_ready()
+        greedy.wait_ready()
+        yield exact, greedy
+    finally:
+        exact.stop()
+        greedy.stop()
+
+
+def test_sampled_entmtp_keeps_the_target_distribution(servers, prompt_ids, target_joint):
+    exact, _ = servers
+    counts, verifies = sample_pairs(exact, prompt_ids)
+    info = exact.server_info()
+    assert verifies > 0, "no request was verified speculatively"
+    accept = info.get("avg_spec_accept_length") or 0
+    assert accept > 1.0, f"no draft was accepted: average accept length {accept}"
+    p = chi2_pvalue(counts, target_joint)
+    print(f"ENTMTP exact sampling: {REQUESTS} requests, {verifies} verify steps, average accept length "
+          f"{accept:.2f}, chi-square p = {p:.3g}")
+    assert p > 1e-3, f"sampled ENTMTP output departs from the target distribution (chi-square p = {p:.2e})"
+
+
+def test_greedy_verification_fails_the_same_test(servers, prompt_ids, target_joint):
+    _, greedy = servers
+    counts, _ = sample_pairs(greedy, prompt_ids, REQUESTS // 2)
+    p = chi2_pvalue(counts, target_joint)
+    print(f"greedy verification: {REQUESTS // 2} requests, chi-square p = {p:.3g}")
+    assert p < 1e-6, f"greedy verification passed the test (p = {p:.2e}): the test has no power"
