@@ -89,9 +89,6 @@ class EntMtpWorker(EAGLEWorkerV2):
         self._step_reqs: list = []
         self._root_logits: dict[str, torch.Tensor] = {}   # rid -> draft root logits, constrained requests
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
-        # The grammar objects are read (and rolled back) on this thread; under the overlap scheduler the
-        # scheduler may be advancing them concurrently, so grammar-aware drafting skips overlapped batches.
-        self.grammar_drafting = self.config.grammar_drafting
         dw = self._draft_worker
         if dw is not None:
             dw.draft_forward = self._draft_forward_tree
@@ -104,6 +101,21 @@ class EntMtpWorker(EAGLEWorkerV2):
                 return out
 
             dw.draft_runner.forward = capture
+
+    @property
+    def hot_token_id(self) -> torch.Tensor | None:
+        """Target id of each draft token when the draft has its own vocabulary (an EAGLE-3 draft's d2t, or
+        --speculative-token-map), else None. SGLang sets it when the scheduler allocates the draft's memory
+        pool, after __init__."""
+        return getattr(self._draft_worker, "hot_token_id", None)
+
+    @property
+    def grammar_drafting(self) -> bool:
+        """Whether constrained requests get grammar-masked signals and drafts. Grammar masks are over the
+        target's vocabulary, so a draft with its own vocabulary drafts unmasked. (The grammar objects are read,
+        and rolled back, on this thread; under the overlap scheduler the scheduler may be advancing them
+        concurrently, so grammar-aware drafting also skips overlapped batches.)"""
+        return self.config.grammar_drafting and self.hot_token_id is None
 
     # -- per step -----------------------------------------------------------------------------------
     def forward_batch_generation(self, batch, *args, **kwargs):
@@ -240,6 +252,9 @@ class EntMtpWorker(EAGLEWorkerV2):
             return dw._draft_forward_idle(forward_batch, spec_info)
         topk, steps = self.topk, plan.num_steps
         topk_index = spec_info.topk_index                       # (bs, topk) root children by rank
+        hot = self.hot_token_id
+        if hot is not None:
+            topk_index = hot[topk_index]
         bs = topk_index.shape[0]
         dev = topk_index.device
         token: dict[int, torch.Tensor] = {}
@@ -271,6 +286,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             logits = logits_output.next_token_logits.view(bs, topk, -1)
             hid = logits_output.hidden_states.view(bs, topk, -1)
             top = torch.topk(logits, topk, dim=-1).indices      # (bs, topk rows, topk ranks)
+            if hot is not None:
+                top = hot[top]
             if grammars and step + 1 < steps:
                 self._grammar_children(top, logits, col, token, plan, grammars)
             for c, n in enumerate(col):
