@@ -92,8 +92,9 @@ class EntMtpSpecAlgo(CustomSpecAlgo):
         if server_args.max_running_requests is None:
             server_args.max_running_requests = 48
         if not server_args.speculative_draft_model_path:
-            raise EntMtpStartupError("ENTMTP needs an EAGLE-layout draft model: --speculative-draft-model-path DIR "
-                             "(the bundled model's is entmtp_sglang/models/entmtp-tiny/eagle)")
+            raise EntMtpStartupError("ENTMTP needs a draft model: --speculative-draft-model-path DIR, an EAGLE or "
+                             "EAGLE-3 draft (the bundled model's is entmtp_sglang/models/entmtp-tiny/eagle), or "
+                             "the target's own directory for a model with MTP layers (NEXTN)")
         logger.info("ENTMTP: tree set %s (%d trees, up to %d nodes, depth %d, topk %d)",
                     cfg.tree_set_path, len(ts.trees), ts.max_nodes, steps, topk)
 
