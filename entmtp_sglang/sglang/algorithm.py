@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import sys
 
@@ -19,6 +20,34 @@ NAME = "ENTMTP"
 _AS_EAGLE = ("is_some", "is_speculative", "is_eagle", "supports_prefill_shared_read_done", "supports_mixed_chunk",
              "supports_ragged_verify", "supports_grammar_overlap", "has_draft_kv", "carries_draft_hidden_states",
              "create_future_map", "need_topk")
+
+
+def draft_is_eagle3(draft_model_path: str | None) -> bool:
+    """Whether the draft checkpoint is an EAGLE-3 one (an architecture named *Eagle3*, e.g.
+    `LlamaForCausalLMEagle3`): it drafts from several captured target layers, over its own vocabulary."""
+    return any("Eagle3" in arch for arch in _draft_architectures(draft_model_path))
+
+
+@functools.lru_cache(maxsize=8)
+def _draft_architectures(draft_model_path: str | None) -> tuple[str, ...]:
+    if not draft_model_path:
+        return ()
+    from .sglang_api import get_config
+
+    try:
+        return tuple(getattr(get_config(draft_model_path, trust_remote_code=False), "architectures", None) or ())
+    except Exception:   # unreadable here: SGLang's own loading reports it
+        logger.debug("ENTMTP: cannot read the draft config at %s", draft_model_path, exc_info=True)
+        return ()
+
+
+def _served_draft_model_path() -> str | None:
+    from .sglang_api import get_spec
+
+    try:
+        return get_spec().speculative_draft_model_path
+    except ValueError:   # the speculative config is not published in this process (yet)
+        return None
 
 
 class EntMtpStartupError(ValueError):
@@ -63,11 +92,18 @@ class EntMtpSpecAlgo(CustomSpecAlgo):
         if server_args.max_running_requests is None:
             server_args.max_running_requests = 48
         if not server_args.speculative_draft_model_path:
-            raise EntMtpStartupError("ENTMTP needs an EAGLE-layout draft model: --speculative-draft-model-path DIR "
-                             "(the bundled model's is entmtp_sglang/models/entmtp-tiny/eagle)")
+            raise EntMtpStartupError("ENTMTP needs a draft model: --speculative-draft-model-path DIR, an EAGLE or "
+                             "EAGLE-3 draft (the bundled model's is entmtp_sglang/models/entmtp-tiny/eagle), or "
+                             "the target's own directory for a model with MTP layers (NEXTN)")
         logger.info("ENTMTP: tree set %s (%d trees, up to %d nodes, depth %d, topk %d)",
                     cfg.tree_set_path or "generic (no set for this model: calibrating online)", len(ts.trees),
                     ts.max_nodes, steps, topk)
+
+    def is_eagle3(self) -> bool:
+        """As EAGLE3 when the draft checkpoint is an EAGLE-3 one (SGLang then captures the target's auxiliary
+        hidden states, and maps the draft's vocabulary to the target's); as EAGLE otherwise, which also
+        covers NEXTN/MTP drafts (a target's own MTP layer served as the draft model)."""
+        return draft_is_eagle3(_served_draft_model_path())
 
     def resolve_max_speculative_num_draft_tokens(self, server_args):
         return EntMtpConfig.from_server_args(server_args).load_tree_set().max_nodes

@@ -30,10 +30,12 @@ MAX_RANK = 6
 PROBE_EVERY = 16
 
 
-def _top(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _top(logits: torch.Tensor, k: int, hot: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k token ids and probabilities; `hot` maps a draft vocabulary's ids to the target's (EAGLE-3)."""
     probs = torch.softmax(logits.float(), -1)
     top = torch.topk(probs, min(k, probs.shape[-1]), dim=-1)
-    return top.indices.cpu(), top.values.cpu()
+    ids = top.indices if hot is None else hot[top.indices]
+    return ids.cpu(), top.values.cpu()
 
 
 class StepObserver:
@@ -76,18 +78,18 @@ class StepObserver:
         k = step // PROBE_EVERY
         return self._probe if k % 2 == 0 else self.tree_set.trees[(k // 2) % len(self.tree_set.trees)].tree.name
 
-    def expanded(self, column, logits: torch.Tensor) -> None:
+    def expanded(self, column, logits: torch.Tensor, hot: torch.Tensor | None = None) -> None:
         """Draft logits (bs, rows, vocab) of the nodes in `column` (one per row)."""
-        ids, probs = _top(logits[:, : len(column)], self.max_rank)
+        ids, probs = _top(logits[:, : len(column)], self.max_rank, hot)
         for c, node in enumerate(column):
             self._expanded[node] = (ids[:, c], probs[:, c])
 
     def drafted(self, token: dict) -> None:
         self._tokens = {n: t.cpu() for n, t in token.items()}
 
-    def roots(self, reqs, logits: torch.Tensor) -> None:
+    def roots(self, reqs, logits: torch.Tensor, hot: torch.Tensor | None = None) -> None:
         """The draft-extend logits (bs, vocab): each request's root distribution for its next step."""
-        ids, probs = _top(logits, self.max_rank)
+        ids, probs = _top(logits, self.max_rank, hot)
         ent, margin = entropy_nats(logits.float()).tolist(), top_margin(logits.float()).tolist()
         for i, r in enumerate(reqs):
             self._roots[r.rid] = (ids[i].tolist(), probs[i].tolist(), ent[i], margin[i])

@@ -97,9 +97,6 @@ class EntMtpWorker(EAGLEWorkerV2):
             observe.enable()
         self._chosen: int | None = None
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
-        # The grammar objects are read (and rolled back) on this thread; under the overlap scheduler the
-        # scheduler may be advancing them concurrently, so grammar-aware drafting skips overlapped batches.
-        self.grammar_drafting = self.config.grammar_drafting
         dw = self._draft_worker
         if dw is not None:
             dw.draft_forward = self._draft_forward_tree
@@ -112,6 +109,21 @@ class EntMtpWorker(EAGLEWorkerV2):
                 return out
 
             dw.draft_runner.forward = capture
+
+    @property
+    def hot_token_id(self) -> torch.Tensor | None:
+        """Target id of each draft token when the draft has its own vocabulary (an EAGLE-3 draft's d2t, or
+        --speculative-token-map), else None. SGLang sets it when the scheduler allocates the draft's memory
+        pool, after __init__."""
+        return getattr(self._draft_worker, "hot_token_id", None)
+
+    @property
+    def grammar_drafting(self) -> bool:
+        """Whether constrained requests get grammar-masked signals and drafts. Grammar masks are over the
+        target's vocabulary, so a draft with its own vocabulary drafts unmasked. (The grammar objects are read,
+        and rolled back, on this thread; under the overlap scheduler the scheduler may be advancing them
+        concurrently, so grammar-aware drafting also skips overlapped batches.)"""
+        return self.config.grammar_drafting and self.hot_token_id is None
 
     # -- per step -----------------------------------------------------------------------------------
     def forward_batch_generation(self, batch, *args, **kwargs):
@@ -244,7 +256,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         h = draft_signal(self.signal, logits.float())
         top = top_probs(logits).tolist()
         if self.observer is not None:
-            self.observer.roots(batch.reqs, logits)
+            self.observer.roots(batch.reqs, logits, self.hot_token_id)
         for i, (r, v) in enumerate(zip(batch.reqs, h.tolist())):
             self.signals[r.rid] = v
             self.probs[r.rid] = tuple(top[i])
@@ -269,6 +281,9 @@ class EntMtpWorker(EAGLEWorkerV2):
             return dw._draft_forward_idle(forward_batch, spec_info)
         topk, steps = self.topk, plan.num_steps
         topk_index = spec_info.topk_index                       # (bs, topk) root children by rank
+        hot = self.hot_token_id
+        if hot is not None:
+            topk_index = hot[topk_index]
         bs = topk_index.shape[0]
         dev = topk_index.device
         token: dict[int, torch.Tensor] = {}
@@ -301,7 +316,9 @@ class EntMtpWorker(EAGLEWorkerV2):
             hid = logits_output.hidden_states.view(bs, topk, -1)
             top = torch.topk(logits, topk, dim=-1).indices      # (bs, topk rows, topk ranks)
             if self.observer is not None:
-                self.observer.expanded(col, logits)
+                self.observer.expanded(col, logits, hot)
+            if hot is not None:
+                top = hot[top]
             if grammars and step + 1 < steps:
                 self._grammar_children(top, logits, col, token, plan, grammars)
             for c, n in enumerate(col):
