@@ -225,11 +225,36 @@ def best_signal(records: list[PositionRecord], window: int = 8) -> str:
     return max(SGLANG_SIGNALS, key=lambda k: abs(pearson(sig[k], acc)) if k in sig else -1.0)
 
 
+def cost_models(steps: list[dict], grid: list[Tree], batch_sizes, log=print) -> dict[int, StepCostModel]:
+    """seconds = base + per_node * nodes + per_depth * depth per batch size, on the grid's median step times."""
+    models: dict[int, StepCostModel] = {}
+    for b in batch_sizes:
+        pairs = [(t, statistics.median(s)) for t in grid if (s := step_seconds(steps, t.name, b))]
+        if len(pairs) < 3:
+            raise RuntimeError(f"too few timed steps at batch size {b} to fit a step-cost model")
+        models[b] = fit_step_cost([t for t, _ in pairs], [s for _, s in pairs])
+        log(f"batch {b}: step seconds = {models[b].base:.4f} + {models[b].per_node:.5f} * nodes + "
+            f"{models[b].per_depth:.5f} * depth")
+    return models
+
+
+def _decode_all(server, texts: list[str], tree: str, max_new: int, concurrency: int, progress=None) -> None:
+    from .sglang.config import PIN_KEY
+
+    def one(text: str) -> None:
+        server.generate(text, max_new, 0.0, custom_params={PIN_KEY: tree})
+        if progress is not None:
+            progress.update(1)
+
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, texts))
+
+
 def run(cal: SGLangCalibration, items: list[dict], out: Path, log=print, progress=None) -> TreeSet:
     """Everything above; writes `out`, its .png and its .records.jsonl, returns the set."""
     from .bench.sglang_server import SGLangServer, free_port
     from .calibrate import plot_pareto, save_records
-    from .sglang.config import ENV_RECORD, ENV_TREE_SET, PIN_KEY
+    from .sglang.config import ENV_RECORD, ENV_TREE_SET
 
     texts = prompt_texts(items, cal.model_path)
     work = Path(tempfile.mkdtemp(prefix="entmtp-calibrate-"))
@@ -238,36 +263,20 @@ def run(cal: SGLangCalibration, items: list[dict], out: Path, log=print, progres
     steps_file = work / "steps.jsonl"
     env = {ENV_TREE_SET: str(work / "recording-set.json"), ENV_RECORD: str(steps_file)}
     server = SGLangServer(cal.server_args(), free_port(), env, work / "server.log")
+    grid = [e.tree for e in rec_set.trees if e.tree.name != RECORD_TREE]
     log(f"starting SGLang with ENTMTP in recording mode (log: {server.log_path})")
     with server:
-        def decode(text: str, tree: str, max_new: int) -> None:
-            server.generate(text, max_new, 0.0, custom_params={PIN_KEY: tree})
-            if progress is not None:
-                progress.update(1)
-
-        with cf.ThreadPoolExecutor(cal.concurrency) as pool:
-            list(pool.map(lambda t: decode(t, RECORD_TREE, cal.max_new_tokens), texts))
+        _decode_all(server, texts, RECORD_TREE, cal.max_new_tokens, cal.concurrency, progress)
         records = records_of(read_steps(steps_file))
         if not records:
             raise RuntimeError(f"the server recorded no verified step; see {server.log_path}")
-        log(f"{len(records)} positions recorded from {len(texts)} prompts; timing {len(rec_set.trees) - 1} "
-            f"trees at batch sizes {list(cal.batch_sizes)}")
-        grid = [e.tree for e in rec_set.trees if e.tree.name != RECORD_TREE]
-        short = texts[: max(cal.batch_sizes)] * (max(cal.batch_sizes) // max(1, len(texts)) + 1)
+        log(f"{len(records)} positions recorded from {len(texts)} prompts; timing {len(grid)} trees at batch "
+            f"sizes {list(cal.batch_sizes)}")
         for b in cal.batch_sizes:
+            batch = [texts[i % len(texts)] for i in range(max(b, 2))]   # batch 1: two requests in turn
             for t in grid:
-                with cf.ThreadPoolExecutor(b) as pool:
-                    list(pool.map(lambda x, name=t.name: server.generate(x, 16, 0.0, custom_params={PIN_KEY: name}),
-                                  short[:b] * 2 if b == 1 else short[:b]))
-    steps = read_steps(steps_file)
-    models: dict[int, StepCostModel] = {}
-    for b in cal.batch_sizes:
-        pairs = [(t, statistics.median(s)) for t in grid if (s := step_seconds(steps, t.name, b))]
-        if len(pairs) < 3:
-            raise RuntimeError(f"too few timed steps at batch size {b} to fit a step-cost model")
-        models[b] = fit_step_cost([t for t, _ in pairs], [s for _, s in pairs])
-        log(f"batch {b}: step seconds = {models[b].base:.4f} + {models[b].per_node:.5f} * nodes + "
-            f"{models[b].per_depth:.5f} * depth")
+                _decode_all(server, batch, t.name, 16, b)
+    models = cost_models(read_steps(steps_file), grid, cal.batch_sizes, log)
     cfg = CalibrationConfig("eagle", cal.task, len(texts), cal.max_new_tokens, max_depth=cal.max_depth,
                             num_bins=cal.bins)
     ts, points = build_tree_set(None, records, texts, cfg, log=log, signal=best_signal(records), models=models,
