@@ -21,6 +21,7 @@ from ..tree.treeset import FORMAT, TreeSet, TreeSetError, load_tree_set, shipped
 ENV_TREE_SET = "ENTMTP_TREE_SET"
 ENV_GRAMMAR_DRAFT = "ENTMTP_GRAMMAR_DRAFT"   # "0" turns grammar-aware drafting and entropy off
 ENV_POLICY = "ENTMTP_POLICY"
+ENV_TREE_TRACE = "ENTMTP_TREE_TRACE"   # a directory: each rank appends its tree per decode step (debugging)
 PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
 SERVER_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor")
 
