@@ -11,7 +11,10 @@ ENTMTP, so other algorithms are untouched):
                      tokenizer workers): the same prompt checks; a message aborts the request with 400;
 * `average_accept_around` (`/get_server_info`'s `avg_spec_accept_length`): SGLang rolls its counters up only
                      every 40 decode batches; include the interval not yet rolled up, so a lightly loaded
-                     server reports a number rather than None.
+                     server reports a number rather than None;
+* `reserved_tokens_around` (tokenizer manager's context check): SGLang counts `max(topk * num_steps,
+                     num_draft_tokens)` extra input tokens for an EAGLE-like algorithm, so near the context limit
+                     ENTMTP refused requests EAGLE serves. ENTMTP needs less (`entmtp_reserved_tokens`).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ VALIDATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one
 INPUT_LENGTH = "sglang.srt.managers.utils.validate_input_length"
 AVERAGE_ACCEPT = ("sglang.srt.managers.scheduler_components.internal_state."
                   "SchedulerInternalStateController._average_accept_length")
+RESERVED = "sglang.srt.managers.utils.compute_num_reserved_tokens"
 HOOKED = {
     VALIDATE: ("self", "obj", "input_ids"),
+    RESERVED: (),
     INPUT_LENGTH: ("req", "max_req_input_len", "allow_auto_truncate"),
     AVERAGE_ACCEPT: ("self",),
 }
@@ -115,6 +120,33 @@ def average_accept_around(original, self):
     return (m.spec_total_num_accept_tokens + m.spec_num_accept_tokens) / count if count else None
 
 
+def entmtp_reserved_tokens() -> int:
+    """Input tokens ENTMTP reserves per request near the context limit.
+
+    The worker caps every step's tree by the request's room before the context limit (`EntMtpWorker._room`,
+    the controller's room cap; chain:0 when nothing fits), so verification and drafting stay inside the
+    context. What is left is SGLang's decode allocation: each step `eagle_prepare_for_decode` extends a
+    request's req_to_token row to committed + `get_alloc_reserve_per_decode()` (twice the largest draft
+    footprint, rounded up to a page), and the row is only `get_req_to_token_extra_context_len()` longer than
+    the context. The tokenizer's check (input + reserve + max_new_tokens <= context) bounds the committed
+    length before a decode step by context - reserve - 1, so the row holds the allocation when
+    reserve >= allocation - extra - 1."""
+    from sglang.srt.mem_cache.allocation_sizing import (
+        get_alloc_page_size,
+        get_alloc_reserve_per_decode,
+        get_req_to_token_extra_context_len,
+    )
+
+    allocation = get_alloc_reserve_per_decode() + get_alloc_page_size() - 1
+    return max(0, allocation - get_req_to_token_extra_context_len() - 1)
+
+
+def reserved_tokens_around(original):
+    """AROUND hook of compute_num_reserved_tokens: never more than SGLang's own reserve."""
+    reserve = original()
+    return min(reserve, entmtp_reserved_tokens()) if is_entmtp() else reserve
+
+
 def register_hooks(check_signature) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
@@ -123,3 +155,4 @@ def register_hooks(check_signature) -> None:
     HookRegistry.register(VALIDATE, validate_before, HookType.BEFORE)
     HookRegistry.register(INPUT_LENGTH, input_length_around, HookType.AROUND)
     HookRegistry.register(AVERAGE_ACCEPT, average_accept_around, HookType.AROUND)
+    HookRegistry.register(RESERVED, reserved_tokens_around, HookType.AROUND)

@@ -23,8 +23,11 @@ and on the batch size, so every rank picks the same tree.
 from __future__ import annotations
 
 import collections
+import json
 import logging
+import os
 import time
+from pathlib import Path
 
 import torch
 
@@ -34,9 +37,16 @@ from ..policy.signals import draft_signal, least_predictable
 from ..tree.acceptance import AcceptancePredictor
 from . import grammar_draft, observe, visibility
 from .attention import MultiStepDraftBackend
-from .config import EntMtpConfig, pin_of
+from .config import ENV_TREE_TRACE, EntMtpConfig, pin_of
 from .recording import StepObserver
-from .sglang_api import EAGLEWorkerV2, ForwardContext, forward_context, get_context, per_step_draft_out_cache_loc
+from .sglang_api import (
+    EAGLEWorkerV2,
+    ForwardContext,
+    forward_context,
+    get_context,
+    get_parallel,
+    per_step_draft_out_cache_loc,
+)
 from .tree_plan import plan_tree
 
 logger = logging.getLogger("entmtp_sglang.sglang")
@@ -97,6 +107,7 @@ class EntMtpWorker(EAGLEWorkerV2):
             observe.enable()
         self._chosen: int | None = None
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
+        self._trace_path = _trace_path(os.environ.get(ENV_TREE_TRACE))
         dw = self._draft_worker
         if dw is not None:
             dw.draft_forward = self._draft_forward_tree
@@ -178,6 +189,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         n, steps = (plan.num_nodes, plan.num_steps) if plan is not None else (1, 0)
         self.histogram[name] += 1
         self.steps += 1
+        self._trace(reqs, name)
         self._step_reqs = list(reqs)
         for r in reqs:
             visibility.note(r, visibility.TREES, name)
@@ -198,6 +210,12 @@ class EntMtpWorker(EAGLEWorkerV2):
             self.last_log = time.monotonic()
             logger.info("ENTMTP trees chosen over %d steps: %s (last batch mean %s %.2f)", self.steps,
                         ", ".join(f"{k}={v}" for k, v in self.histogram.most_common()), self.signal, h)
+
+    def _trace(self, reqs, name: str) -> None:
+        """ENTMTP_TREE_TRACE=DIR: one JSON line per decode step in this rank's file, so ranks can be compared."""
+        if self._trace_path is not None:
+            with open(self._trace_path, "a") as f:
+                f.write(json.dumps({"step": self.steps, "tree": name, "rids": [r.rid for r in reqs]}) + "\n")
 
     def _pin(self, req) -> str | None:
         """The tree this request pins, if the set holds it (an unknown name is logged once and ignored)."""
@@ -355,6 +373,16 @@ class EntMtpWorker(EAGLEWorkerV2):
                 masked = self._grammar_topk(logits[row, c], g, path[::-1])
                 if masked is not None:
                     top[row, c] = masked.to(top)
+
+
+def _trace_path(trace_dir: str | None) -> Path | None:
+    """This process's tree trace file under `trace_dir` (None: no trace), named by tensor-parallel rank and pid
+    (data-parallel replicas are separate processes with tp rank 0)."""
+    if not trace_dir:
+        return None
+    tp_rank = getattr(get_parallel(), "tp_rank", 0)
+    Path(trace_dir).mkdir(parents=True, exist_ok=True)
+    return Path(trace_dir) / f"trees-tp{tp_rank}-pid{os.getpid()}.jsonl"
 
 
 def _row_tensors(plan):
