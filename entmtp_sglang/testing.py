@@ -19,3 +19,30 @@ def import_sglang_or_skip(module: str = "sglang"):
         if os.environ.get(REQUIRE_ENV) == "1":
             raise RuntimeError(f"{REQUIRE_ENV}=1 but {module} does not import ({e}); run `make sglang`") from e
         pytest.skip("SGLang is not installed (make sglang)", allow_module_level=True)
+
+
+def chi_square_pvalue(counts: dict, probs: dict, min_expected: float = 5.0) -> float:
+    """Pearson's goodness-of-fit test of observed `counts` (category -> count) against `probs` (category ->
+    probability, summing to 1 over every category that can occur). Categories expecting fewer than
+    `min_expected` observations are pooled into one cell; an observed category missing from `probs` counts
+    in that pool (it was expected with probability ~0)."""
+    import torch
+
+    total = sum(counts.values())
+    obs, exp = [], []
+    pool_o = sum(c for k, c in counts.items() if k not in probs)
+    pool_e = 0.0
+    for key, p in probs.items():
+        e = p * total
+        if e < min_expected:
+            pool_o, pool_e = pool_o + counts.get(key, 0), pool_e + e
+        else:
+            obs.append(counts.get(key, 0))
+            exp.append(e)
+    if pool_e > 0 or pool_o > 0:
+        obs.append(pool_o)
+        exp.append(max(pool_e, 1e-12))
+    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
+    dof = len(obs) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(stat / 2, dtype=torch.float64)))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from entmtp_sglang.sglang.sampling import top_k_renorm_prob, top_p_renorm_prob, tree_speculative_sampling_target_only
+from entmtp_sglang.testing import chi_square_pvalue
 from entmtp_sglang.tree import Tree, build_buffers
 
 VOCAB = 8
@@ -22,28 +23,8 @@ TREE = Tree((-1, 0, 0, 0, 1, 1, 4))
 TOKENS = [0, 2, 5, 7, 1, 3, 6]   # node -> drafted token (siblings distinct)
 
 
-def chi2_sf(stat: float, dof: int) -> float:
-    """Survival function of the chi-square distribution."""
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
-
-
 def chi2_pvalue(counts: dict[int, int], probs: torch.Tensor) -> float:
-    """Pearson's test of `counts` (token -> count) against `probs`, cells with expectation < 5 pooled."""
-    total = sum(counts.values())
-    obs, exp, pool_o, pool_e = [], [], 0.0, 0.0
-    for tok in range(probs.numel()):
-        e = float(probs[tok]) * total
-        if e < 5:
-            pool_o, pool_e = pool_o + counts.get(tok, 0), pool_e + e
-        else:
-            obs.append(counts.get(tok, 0))
-            exp.append(e)
-    if pool_e > 0:
-        obs.append(pool_o)
-        exp.append(pool_e)
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    return chi2_sf(stat, len(obs) - 1)
+    return chi_square_pvalue(counts, dict(enumerate(probs.tolist())))
 
 
 def run(probs: torch.Tensor, trials: int, seed: int, depth: int | None = None):

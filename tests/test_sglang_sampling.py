@@ -16,7 +16,7 @@ import concurrent.futures as cf
 import pytest
 import torch
 
-from entmtp_sglang.testing import import_sglang_or_skip
+from entmtp_sglang.testing import chi_square_pvalue, import_sglang_or_skip
 
 import_sglang_or_skip()
 
@@ -28,11 +28,6 @@ pytestmark = pytest.mark.sglang
 TEMPERATURE = 0.8
 REQUESTS = 400
 TOP = 12          # first tokens whose continuation distribution is computed; the rest pooled
-
-
-def chi2_sf(stat: float, dof: int) -> float:
-    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                         torch.tensor(stat / 2, dtype=torch.float64)))
 
 
 @pytest.fixture(scope="module")
@@ -85,25 +80,13 @@ def sample_pairs(server: SGLangServer, ids: list[int], requests: int = REQUESTS)
 
 
 def chi2_pvalue(counts: dict, joint: dict) -> float:
-    """Pearson's test of observed (x1, x2) counts against `joint`; cells expecting < 5 are pooled."""
-    total = sum(counts.values())
+    """Observed (x1, x2) counts against `joint`, every x1 outside the computed ones folded into "other"."""
     known_x1 = {k[0] for k in joint if k[0] != "other"}
     folded: dict = {}
     for (x1, x2), c in counts.items():
         key = (x1, x2) if x1 in known_x1 else ("other", None)
         folded[key] = folded.get(key, 0) + c
-    obs, exp, pool_o, pool_e = [], [], 0, 0.0
-    for key, p in joint.items():
-        e = p * total
-        if e < 5:
-            pool_o, pool_e = pool_o + folded.get(key, 0), pool_e + e
-        else:
-            obs.append(folded.get(key, 0))
-            exp.append(e)
-    obs.append(pool_o)
-    exp.append(pool_e)
-    stat = sum((o - e) ** 2 / e for o, e in zip(obs, exp))
-    return chi2_sf(stat, len(obs) - 1)
+    return chi_square_pvalue(folded, joint)
 
 
 @pytest.fixture(scope="module")
