@@ -124,3 +124,25 @@ def test_no_set_for_the_model_starts_generic_and_a_foreign_set_needs_force():
     with pytest.raises(TreeSetError, match="ENTMTP_FORCE_TREE_SET=1"):
         EntMtpConfig(foreign, "my-model").load_tree_set()
     assert EntMtpConfig(foreign, "my-model", force=True).load_tree_set().model == "entmtp-tiny"
+
+
+def test_online_recalibration_of_a_calibrated_set_keeps_its_trees_and_learns():
+    from entmtp_sglang.tree.treeset import load_tree_set
+
+    ts = load_tree_set(shipped_tree_set("eagle", "mixed"))       # calibrated, with a predictor
+    cal = OnlineCalibration(ts, refit_every=4)
+    deep = max(range(len(ts.trees)), key=lambda i: ts.trees[i].tree.max_depth)
+    tree = ts.trees[deep].tree
+    # the target never takes the drafter's candidates: every tree should now expect (almost) nothing
+    miss = [position_record(StepObservation(Tree.chain(1).parents, (-1, 5), {0: ([5, 8], [0.8, 0.1])},
+                                            (77, 0)), ts.max_depth, 6) for _ in range(200)]
+    cal.observe(miss)
+    for _ in range(4):
+        cal.observe_time(deep, 1, ts.trees[deep].cost(1) * 2)   # and the machine is twice as slow there
+    before = AcceptancePredictor.from_json(ts.predictor).expected_accepted(tree, [(0.8, 0.1)])
+    new = cal.refit()
+    assert [e.tree for e in new.trees] == [e.tree for e in ts.trees]
+    after = AcceptancePredictor.from_json(new.predictor).expected_accepted(tree, [(0.8, 0.1)])
+    assert before > 0.3 and after < 0.05
+    # one shape measured: every cost is the set's own, scaled by what was measured
+    assert new.trees[0].cost(1) == pytest.approx(ts.trees[0].cost(1) * 2)

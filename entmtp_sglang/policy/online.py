@@ -6,10 +6,12 @@ target's argmax), and the drafter's top probabilities there. `position_record` t
 `PositionRecord` the offline calibration writes (`calibrate.py`), with rank -1 where the step cannot tell
 (the path left the drafted tree, or reached a node that was not expanded). Those records feed both
 `entmtp calibrate --engine sglang` (a tree set from a recording run) and `OnlineCalibration`, which ENTMTP
-runs when it starts with a generic set (`tree/generic.py`): every `refit_every` steps it refits the
-per-node acceptance predictor on the records so far (depths with too few observations keep the prior) and
-the step costs on the timed steps (seconds = base + per_node * nodes + per_level * depth, least squares once
-three tree shapes are measured, else the prior scaled to what was measured).
+runs when it starts with a generic set (`tree/generic.py`), or on a calibrated set with
+`ENTMTP_ONLINE_CALIBRATION=1`: every `refit_every` steps it refits the per-node acceptance predictor on the
+records so far (depths with too few observations keep the set's own predictor, or for the generic set the
+prior that the drafter is calibrated) and the step costs on the timed steps (seconds = base + per_node *
+nodes + per_level * depth, least squares once three tree shapes are measured, else the set's own costs scaled
+to what was measured).
 """
 
 from __future__ import annotations
@@ -72,26 +74,29 @@ def bucket(batch_size: int) -> int:
 
 
 def fit_costs(trees: Sequence[Tree], measured: dict[tuple[int, int], tuple[float, int]],
-              bkt: int) -> list[float] | None:
+              bkt: int, prior: Sequence[float] | None = None) -> list[float] | None:
     """Seconds per step of every tree at batch bucket `bkt` from the (tree index, bucket) -> (mean seconds,
-    count) measured so far; None when nothing was measured at that bucket."""
-    pts = [(trees[i], s, n) for (i, b), (s, n) in measured.items() if b == bkt]
+    count) measured so far; None when nothing was measured at that bucket. `prior`: each tree's cost before
+    any measurement (default `tree.generic.prior_cost`), scaled to the measurements while fewer than three
+    tree shapes are measured."""
+    prior = list(prior) if prior is not None else [prior_cost(t) for t in trees]
+    pts = [(trees[i], s, n, prior[i]) for (i, b), (s, n) in measured.items() if b == bkt]
     if not pts:
         return None
-    shapes = {(t.num_nodes, t.max_depth) for t, _, _ in pts}
+    shapes = {(t.num_nodes, t.max_depth) for t, _, _, _ in pts}
     if len(shapes) >= 3:
         import torch
 
-        x = torch.tensor([[1.0, t.num_nodes - 1, t.max_depth] for t, _, _ in pts], dtype=torch.float64)
-        w = torch.tensor([math.sqrt(n) for _, _, n in pts], dtype=torch.float64).view(-1, 1)
-        y = torch.tensor([[s] for _, s, _ in pts], dtype=torch.float64)
+        x = torch.tensor([[1.0, t.num_nodes - 1, t.max_depth] for t, _, _, _ in pts], dtype=torch.float64)
+        w = torch.tensor([math.sqrt(n) for _, _, n, _ in pts], dtype=torch.float64).view(-1, 1)
+        y = torch.tensor([[s] for _, s, _, _ in pts], dtype=torch.float64)
         coef = torch.linalg.lstsq(x * w, y * w).solution.view(-1).tolist()
         base, per_node, per_level = coef[0], max(coef[1], 0.0), max(coef[2], 0.0)
-        floor = min(s for _, s, _ in pts) * 0.5
+        floor = min(s for _, s, _, _ in pts) * 0.5
         fitted = [max(base + per_node * (t.num_nodes - 1) + per_level * t.max_depth, floor) for t in trees]
     else:
-        scale = sum(s / prior_cost(t) * n for t, s, n in pts) / sum(n for _, _, n in pts)
-        fitted = [prior_cost(t) * scale for t in trees]
+        scale = sum(s / p * n for _, s, n, p in pts) / sum(n for _, _, n, _ in pts)
+        fitted = [p * scale for p in prior]
     for (i, b), (s, n) in measured.items():   # a tree measured often enough is its own estimate
         if b == bkt and n >= 8:
             fitted[i] = s
@@ -113,9 +118,12 @@ class OnlineCalibration:
 
     def __post_init__(self):
         self.records = collections.deque(self.records, maxlen=self.max_records)
-        self.prior = prior_predictor(self.tree_set.max_depth)
+        # a calibrated set's own predictor, else the generic prior (the drafter is taken as calibrated)
+        self.prior = (AcceptancePredictor.from_json(self.tree_set.predictor) if self.tree_set.predictor
+                      else prior_predictor(self.tree_set.max_depth))
         self._recent: dict = {}
         self._warm: set = set()
+        self._base_costs = self.tree_set.trees   # the set's own costs: the prior of every refit
 
     def observe(self, records: Sequence[PositionRecord]) -> None:
         self.records.extend(records)
@@ -136,7 +144,7 @@ class OnlineCalibration:
         return self.steps >= (self.refits + 1) * self.refit_every
 
     def predictor(self) -> AcceptancePredictor:
-        depth = self.tree_set.max_depth
+        depth = min(self.tree_set.max_depth, self.prior.max_depth)
         recs = [r for r in self.records if r.draft_probs]
         known = known_counts(recs, depth)
         if not recs or known[0] < MIN_KNOWN:
@@ -144,9 +152,8 @@ class OnlineCalibration:
         fitted = fit_predictor(recs, depth, self.max_rank)
         fits = [d < fitted.max_depth and known[d] >= MIN_KNOWN for d in range(depth)]
         by_depth = tuple(fitted.by_depth[d] if fits[d] else self.prior.by_depth[d] for d in range(depth))
-        bins = len(fitted.root_edges) + 1
         deep = tuple(fitted.deep[d] if fits[d]
-                     else tuple(_pad(self.prior.deep[d][0], len(fitted.deep[0][0])) for _ in range(bins))
+                     else _rebin(self.prior, d, fitted.root_edges, len(fitted.deep[0][0]))
                      for d in range(depth))
         return AcceptancePredictor(by_depth, deep, fitted.root_edges, len(recs))
 
@@ -155,7 +162,8 @@ class OnlineCalibration:
         self.refits += 1
         pred = self.predictor()
         trees = [e.tree for e in self.tree_set.trees]
-        costs = {b: fit_costs(trees, self.measured, b) for b in BUCKETS}
+        base = self._base_costs
+        costs = {b: fit_costs(trees, self.measured, b, [e.cost(b) for e in base]) for b in BUCKETS}
         costs = {b: c for b, c in costs.items() if c is not None}
         entries = []
         for i, e in enumerate(self.tree_set.trees):
@@ -179,6 +187,12 @@ class OnlineCalibration:
               sorted(self.measured.items()) if b == 1}
         return (f"{len(recs)} positions; top-1 draft accepted by depth [{', '.join(rates)}] (observations "
                 f"{known}); step time at batch 1 {c1 or 'not yet measured'}")
+
+
+def _rebin(prior: AcceptancePredictor, d: int, edges: Sequence[float], width: int) -> tuple[tuple[float, ...], ...]:
+    """The prior's depth-`d` table on other root bins: each new bin takes the prior's row for its lowest edge."""
+    lows = [0.0, *edges]
+    return tuple(_pad(prior.deep[d][prior.root_bin(low)], width) for low in lows)
 
 
 def _pad(row: Sequence[float], n: int) -> tuple[float, ...]:

@@ -7,7 +7,8 @@ The tree set comes from, in order: the `ENTMTP_TREE_SET` environment variable, S
 ENTMTP starts uncalibrated: a generic set (`tree/generic.py`, sized by `--speculative-num-steps` and
 `--speculative-eagle-topk` when given) whose acceptance predictor and step costs are refitted online from
 verified steps (`policy/online.py`). A set calibrated for another model is refused (the message says
-which) unless `ENTMTP_FORCE_TREE_SET=1`. `ENTMTP_RECORD=FILE` appends one JSON line per verified step
+which) unless `ENTMTP_FORCE_TREE_SET=1`. `ENTMTP_ONLINE_CALIBRATION=1` refits a calibrated set online too
+(its own predictor and costs are the prior). `ENTMTP_RECORD=FILE` appends one JSON line per verified step
 (what `entmtp calibrate --engine sglang` reads). `ENTMTP_GRAMMAR_DRAFT=0`
 turns off the grammar-masked entropy and drafts of constrained requests (on by default; needs the overlap
 scheduler off, as on CPU). `ENTMTP_POLICY` picks how trees are scored: `entmtp` (default: the set's per-node
@@ -29,6 +30,7 @@ ENV_GRAMMAR_DRAFT = "ENTMTP_GRAMMAR_DRAFT"   # "0" turns grammar-aware drafting 
 ENV_POLICY = "ENTMTP_POLICY"
 ENV_FORCE = "ENTMTP_FORCE_TREE_SET"     # "1": serve a tree set calibrated for another model
 ENV_RECORD = "ENTMTP_RECORD"           # a file: one JSON line per verified step (calibration through SGLang)
+ENV_ONLINE = "ENTMTP_ONLINE_CALIBRATION"  # "1": refit a calibrated set's predictor and costs as it serves
 ENV_TREE_TRACE = "ENTMTP_TREE_TRACE"   # a directory: each rank appends its tree per decode step (debugging)
 PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
 SERVER_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor")
@@ -83,6 +85,7 @@ class EntMtpConfig:
     policy: str = "entmtp"          # SERVER_POLICIES
     force: bool = False             # serve a set calibrated for another model
     record_path: Path | None = None # ENTMTP_RECORD
+    online: bool = False            # ENTMTP_ONLINE_CALIBRATION (always on for the generic set)
     generic_depth: int = 4          # the generic set's depth and width (zero-setup start)
     generic_topk: int = 2
 
@@ -108,7 +111,7 @@ class EntMtpConfig:
                                                                                    "speculative_eagle_topk", None)
         return cls(tree_set_path=path, model_name=model, grammar_drafting=_flag(ENV_GRAMMAR_DRAFT, "1"),
                    policy=os.environ.get(ENV_POLICY, "entmtp").strip().lower() or "entmtp",
-                   force=_flag(ENV_FORCE), record_path=Path(record) if record else None,
+                   force=_flag(ENV_FORCE), record_path=Path(record) if record else None, online=_flag(ENV_ONLINE),
                    generic_depth=int(steps) if steps else 4, generic_topk=int(topk) if topk else 2)
 
     @property

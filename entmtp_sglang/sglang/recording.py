@@ -56,6 +56,10 @@ class StepObserver:
     @classmethod
     def for_worker(cls, config, tree_set: TreeSet) -> "StepObserver | None":
         online = None
+        if config.online and not tree_set.provenance.get("generic"):
+            online = OnlineCalibration(tree_set)
+            logger.info("ENTMTP: refitting the tree set's acceptance predictor and step costs online "
+                        "(ENTMTP_ONLINE_CALIBRATION=1); the calibrated ones are the prior")
         if tree_set.provenance.get("generic"):
             online = OnlineCalibration(tree_set)
             logger.warning(
