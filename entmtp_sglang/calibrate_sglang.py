@@ -8,8 +8,9 @@
 2. Decode the prompts greedily, every request pinned to the recording tree: each step records, along the
    target's own continuation through the drafted tree, the rank of the target's token among the drafter's
    top candidates and the drafter's probabilities (ranks the tree cannot tell are -1 and count as misses).
-3. Time every grid tree inside the same server, pinned, at each batch size asked for, and fit
-   seconds = base + per_node * nodes + per_depth * depth per batch size.
+3. Time every grid tree inside the same server, pinned, at each batch size asked for, the trees in
+   rotation (so load from elsewhere hits them alike), and fit seconds = base + per_node * nodes +
+   per_depth * depth per batch size on each tree's median step time.
 4. Build the tree set as the offline calibration does (`calibrate.build_tree_set`: bins of the draft signal
    that best predicts acceptance, greedy trees per bin and budget, Pareto-optimal ones kept, the per-node
    acceptance predictor fitted), named for the served model so ENTMTP accepts it, with its Pareto plot and
@@ -38,6 +39,7 @@ from .tree import Tree
 from .tree.treeset import TreeEntry, TreeSet
 
 RECORD_TREE = "record"
+TIMING_ROUNDS, TIMING_TOKENS = 4, 8     # each grid tree decodes 4 times 8 tokens per batch size, in rotation
 SGLANG_SIGNALS = ("draft_entropy", "draft_margin")
 ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 
@@ -272,10 +274,11 @@ def run(cal: SGLangCalibration, items: list[dict], out: Path, log=print, progres
             raise RuntimeError(f"the server recorded no verified step; see {server.log_path}")
         log(f"{len(records)} positions recorded from {len(texts)} prompts; timing {len(grid)} trees at batch "
             f"sizes {list(cal.batch_sizes)}")
-        for b in cal.batch_sizes:
-            batch = [texts[i % len(texts)] for i in range(max(b, 2))]   # batch 1: two requests in turn
-            for t in grid:
-                _decode_all(server, batch, t.name, 16, b)
+        for b in cal.batch_sizes:   # trees interleaved, so a burst of load elsewhere hits them alike
+            batch = [texts[i % len(texts)] for i in range(b)]
+            for _ in range(TIMING_ROUNDS):
+                for t in grid:
+                    _decode_all(server, batch, t.name, TIMING_TOKENS, b)
     models = cost_models(read_steps(steps_file), grid, cal.batch_sizes, log)
     cfg = CalibrationConfig("eagle", cal.task, len(texts), cal.max_new_tokens, max_depth=cal.max_depth,
                             num_bins=cal.bins)
