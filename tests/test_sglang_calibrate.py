@@ -5,7 +5,7 @@
   it, chooses among its trees, and its greedy output equals the non-speculative server's.
 * With no tree set for the served model (the bundled model under another directory name), ENTMTP starts with
   the generic set, logs that it is uncalibrated, refits its estimates as it serves (the log shows them), and
-  its greedy output equals the non-speculative server's.
+  its greedy output equals the non-speculative server's. Started without `--dtype`, it serves float32 on CPU.
 """
 
 from __future__ import annotations
@@ -78,12 +78,14 @@ def test_calibrate_through_sglang_then_serve(plain, tmp_path):
 def test_zero_setup_start_calibrates_online(plain, tmp_path):
     model = tmp_path / "my-model"          # the bundled model under a name no tree set was calibrated for
     model.symlink_to(BUNDLED_MODEL, target_is_directory=True)
-    args = cpu_args("ENTMTP", model=model, extra=F32)
+    args = cpu_args("ENTMTP", model=model)   # no --dtype: ENTMTP serves float32 on CPU by default
     server = SGLangServer(args, free_port(), {}, tmp_path / "zero-setup.log")
     texts = list(plain) * 6
     with server:
         outs = greedy_outputs(server, texts, 4)
         log = server.log_text()
+        dtype = server.server_info().get("dtype")
+    assert dtype == "float32", dtype
     assert "starting uncalibrated with a generic set" in log
     refits = re.findall(r"ENTMTP online calibration \(refit (\d+), (\d+) steps\): (\d+) positions", log)
     assert len(refits) >= 2, log[-3000:]

@@ -89,6 +89,11 @@ class EntMtpSpecAlgo(CustomSpecAlgo):
         server_args.speculative_num_draft_tokens = ts.max_nodes
         if str(server_args.device) == "cpu":
             server_args.disable_overlap_schedule = True
+            if str(getattr(server_args, "dtype", "auto")) == "auto":
+                # bfloat16 matmuls over a verify block and a one-token decode round differently, which flips
+                # near-tied argmaxes: greedy output equals plain decoding in float32 (--dtype overrides)
+                server_args.dtype = "float32"
+                logger.info("ENTMTP on CPU: serving in float32 (pass --dtype to choose another)")
         if server_args.max_running_requests is None:
             server_args.max_running_requests = 48
         if not server_args.speculative_draft_model_path:
