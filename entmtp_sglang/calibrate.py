@@ -36,6 +36,7 @@ from .policy.signals import SIGNAL_KINDS, recorded_signal
 from .tree import Tree
 from .tree.acceptance import fit_predictor
 from .tree.construct import accepted_on, expected_accepted, greedy_tree, pareto_front
+from .tree.records import PositionRecord
 from .tree.treeset import TreeEntry, TreeSet
 
 BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
@@ -62,29 +63,6 @@ class CalibrationConfig:
             raise ValueError("max_depth must be in 1..16 and max_rank in 1..32")
         if self.num_bins < 1:
             raise ValueError("num_bins must be >= 1")
-
-
-@dataclass(frozen=True)
-class PositionRecord:
-    prompt: int
-    pos: int  # index in the generated output of the root token
-    draft_entropy: float
-    target_entropy: float  # target entropy after the root (known once this position is verified)
-    ranks: tuple[int, ...]
-    draft_margin: float = math.nan  # drafter top-1 minus top-2 probability (nan: an older record)
-    # per depth d (1..K), the drafter's max_rank largest probabilities (descending) at depth d along the true
-    # continuation (teacher forcing: the distribution the rank-r child of an accepted parent is drafted from);
-    # empty in older records. The per-node acceptance predictor (tree/acceptance.py) is fitted on these.
-    draft_probs: tuple[tuple[float, ...], ...] = ()
-
-    @property
-    def chain_accepted(self) -> int:
-        n = 0
-        for r in self.ranks:
-            if r != 0:
-                break
-            n += 1
-        return n
 
 
 def _ranks(logits: torch.Tensor, true: torch.Tensor, max_rank: int) -> torch.Tensor:

@@ -22,9 +22,9 @@ import statistics
 from dataclasses import dataclass, field, replace
 from typing import Sequence
 
-from ..calibrate import PositionRecord
 from ..tree.acceptance import AcceptancePredictor, fit_predictor
 from ..tree.generic import TYPICAL_ROOT, prior_cost, prior_predictor
+from ..tree.records import PositionRecord
 from ..tree.topology import Tree
 from ..tree.treeset import TreeEntry, TreeSet
 
