@@ -128,10 +128,13 @@ class OnlineCalibration:
     def observe(self, records: Sequence[PositionRecord]) -> None:
         self.records.extend(records)
 
-    def observe_time(self, tree_index: int, batch_size: int, seconds: float) -> None:
-        """One step's wall time. A shape's first step is a warm-up (allocations, first-call paths) and is
-        dropped; the estimate is the median of the shape's last `RECENT` steps (the machine's load changes)."""
+    def observe_time(self, tree_index: int, batch_size: int, seconds: float | None) -> None:
+        """One step's wall time (None: count the step, time unknown). A shape's first step is a warm-up
+        (allocations, first-call paths) and is dropped; the estimate is the median of the shape's last
+        `RECENT` steps (the machine's load changes)."""
         self.steps += 1
+        if seconds is None:
+            return
         key = (tree_index, bucket(batch_size))
         seen = self._recent.setdefault(key, collections.deque(maxlen=RECENT))
         if key not in self._warm:

@@ -40,9 +40,10 @@ def _top(logits: torch.Tensor, k: int, hot: torch.Tensor | None = None) -> tuple
 
 class StepObserver:
     def __init__(self, tree_set: TreeSet, record_path: Path | None = None,
-                 online: OnlineCalibration | None = None, max_rank: int = MAX_RANK):
+                 online: OnlineCalibration | None = None, max_rank: int = MAX_RANK, timed: bool = True):
         self.tree_set = tree_set
         self.online = online
+        self.timed = timed          # feed step times to the online refit (False: keep the set's costs)
         self.max_rank = max_rank
         self.max_depth = tree_set.max_depth
         self.file = open(record_path, "a") if record_path is not None else None
@@ -54,7 +55,7 @@ class StepObserver:
         self._probe = largest.tree.name
 
     @classmethod
-    def for_worker(cls, config, tree_set: TreeSet) -> "StepObserver | None":
+    def for_worker(cls, config, tree_set: TreeSet, timed: bool = True) -> "StepObserver | None":
         online = None
         if config.online and not tree_set.provenance.get("generic"):
             online = OnlineCalibration(tree_set)
@@ -70,7 +71,7 @@ class StepObserver:
                 "ENTMTP_TREE_SET=SET.json", config.model_name, ", ".join(e.tree.name for e in tree_set.trees))
         if online is None and config.record_path is None:
             return None
-        return cls(tree_set, config.record_path, online)
+        return cls(tree_set, config.record_path, online, timed=timed)
 
     # -- what the worker hands in, in step order -----------------------------------------------------
     def probe_tree(self, step: int) -> str | None:
@@ -106,7 +107,7 @@ class StepObserver:
         """After verification: `verified` = (target argmax (bs, nodes in verify order), root entropy (bs,))."""
         expanded, tokens, self._expanded, self._tokens = self._expanded, self._tokens, {}, {}
         if self.online is not None and chosen is not None:
-            self.online.observe_time(chosen, len(reqs), seconds)
+            self.online.observe_time(chosen, len(reqs), seconds if self.timed else None)
         if verified is None:
             return
         target, target_entropy = verified

@@ -17,7 +17,8 @@ same tree):
    verification, acceptance, KV compaction and grammar walking are SGLang's own code.
 
 Decisions depend only on logits and accepted counts, which are identical on every tensor-parallel rank,
-and on the batch size, so every rank picks the same tree.
+and on the batch size, so every rank picks the same tree (online calibration, below, refits step costs from
+timed steps only in a single-rank server: wall times differ between ranks).
 """
 
 from __future__ import annotations
@@ -102,7 +103,10 @@ class EntMtpWorker(EAGLEWorkerV2):
         self._root_logits: dict[str, torch.Tensor] = {}   # rid -> draft root logits, constrained requests
         # calibration through SGLang: records of verified steps (ENTMTP_RECORD) and, with no tree set for
         # this model, online refits of the generic set's predictor and costs (recording.py)
-        self.observer = StepObserver.for_worker(self.config, self.tree_set)
+        # step times differ between tensor-parallel ranks, and every rank must choose the same tree: with more
+        # than one rank the online refit keeps the set's costs and learns acceptance only (identical logits)
+        self.observer = StepObserver.for_worker(self.config, self.tree_set,
+                                                timed=int(getattr(server_args, "tp_size", 1) or 1) == 1)
         if self.observer is not None:
             observe.enable()
         self._chosen: int | None = None
