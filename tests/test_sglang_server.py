@@ -84,6 +84,17 @@ def test_entmtp_greedy_equals_sglang_plain_on_25_prompts(servers, reference):
     assert sum(accepted) / len(accepted) > 1.2, accepted
 
 
+def test_entmtp_greedy_equals_sglang_plain_at_batch_8(servers, reference):
+    """The same prompts, 8 in flight at once: one tree per batch, and every output still equals plain's."""
+    _, ent = servers
+    ps = list(reference)[:16]
+    with cf.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda p: ent.generate(p, MAX_NEW), ps))
+    mismatches = [p[:60] for p, o in zip(ps, outs) if o["output_ids"] != reference[p]]
+    assert not mismatches, mismatches
+    assert any(o["meta_info"].get("spec_verify_ct") for o in outs)
+
+
 def test_meta_info_reports_trees_and_accepted_lengths(servers):
     _, ent = servers
     out = ent.generate("def add(a, b):\n    return", 24)

@@ -105,6 +105,10 @@ class Resources:
             self.bundles[drafter] = load_bundle(self.ctx.model_dir, drafter)
         return self.bundles[drafter]
 
+    def max_depth(self, drafter: str) -> int:
+        """The deepest draft position the drafter provides (at most MAX_DEPTH)."""
+        return min(MAX_DEPTH, getattr(self.bundle(drafter).drafter, "max_depth", MAX_DEPTH))
+
     def engine(self, drafter: str | None) -> Engine:
         key = drafter or "plain"
         if key not in self.engines:
@@ -252,7 +256,8 @@ class Resources:
         key = ("model", drafter, batch_size)
         if key not in self._costs:
             acc = self.head_accuracy(drafter)
-            refs = [Tree.chain(d) for d in (0, 1, 3, MAX_DEPTH)] + \
+            deepest = self.max_depth(drafter)   # SmolLM2's Medusa has 4 heads, the bundled model's 5
+            refs = [Tree.chain(d) for d in sorted({0, 1, min(3, deepest), deepest})] + \
                    [independent_tree(acc, n) for n in (8, 16, 32)]
             self.measure_costs(drafter, refs, batch_size)
             samples = [(t, self.cost(drafter, t, batch_size)) for t in refs]
