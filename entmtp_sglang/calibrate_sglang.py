@@ -35,12 +35,12 @@ from .calibrate import (
     pearson,
     signals_of,
 )
+from .sglang.config import SGLANG_SIGNALS
 from .tree import Tree
 from .tree.treeset import TreeEntry, TreeSet
 
 RECORD_TREE = "record"
 TIMING_ROUNDS, TIMING_TOKENS = 4, 8     # each grid tree decodes 4 times 8 tokens per batch size, in rotation
-SGLANG_SIGNALS = ("draft_entropy", "draft_margin")
 ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 
 
@@ -128,20 +128,20 @@ def chat_template(model_dir: Path) -> str | None:
 
 
 def prompt_texts(items: list[dict], model_path: Path) -> list[str]:
-    """Each item as the text the model sees: through the model's chat template when it has one."""
-    import jinja2
-
-    from .tasks import user_message
+    """Each item as the text the model sees: `text` as it is; `messages`, and shipped prompts, through the
+    model's chat template when it has one (as the reference engine feeds them)."""
+    from .tasks import prompt_text, render_messages
 
     template = chat_template(Path(model_path))
     out = []
     for it in items:
-        if "text" in it or not template:
-            out.append(it.get("text") or it.get("prompt") or "".join(m.get("content", "") for m in it["messages"]))
-            continue
-        messages = it.get("messages") or [{"role": "user", "content": user_message(it)}]
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-        out.append(env.from_string(template).render(messages=messages, add_generation_prompt=True))
+        if "text" in it:
+            out.append(it["text"])
+        elif "messages" in it:
+            out.append(render_messages(template, it["messages"]) if template
+                       else "".join(m.get("content", "") for m in it["messages"]))
+        else:
+            out.append(prompt_text(it, template))
     return out
 
 

@@ -67,11 +67,15 @@ def user_message(item: dict) -> str:
 
 def render_chat(chat_template: str, user: str) -> str:
     """One user turn through a Hugging Face chat template, ready for the assistant's answer."""
+    return render_messages(chat_template, [{"role": "user", "content": user}])
+
+
+def render_messages(chat_template: str, messages: list[dict]) -> str:
+    """A conversation through a Hugging Face chat template, ready for the assistant's answer."""
     import jinja2
 
     env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True)
-    return env.from_string(chat_template).render(messages=[{"role": "user", "content": user}],
-                                                add_generation_prompt=True)
+    return env.from_string(chat_template).render(messages=messages, add_generation_prompt=True)
 
 
 def prompt_text(item: dict, chat_template: str | None) -> str:
