@@ -12,7 +12,8 @@ on the calibration mix), static-best (the best single tree, chosen in hindsight 
 trees by replaying the recorded test positions (--shortlist, 4), plus the default, each measured once; the
 fastest is kept and then measured again with the others), SGLang's adaptive EMA rule, EAGLE-2 style (a wide
 48-node draft pruned to the default tree's node count by draft confidence), EntMTP (entmtp: signal bins;
-entmtp-predictor: the per-node acceptance predictor), entmtp-paper (the paper's rule: a sliding window of
+entmtp-predictor: the per-node acceptance predictor; entmtp-staged: the predictor, re-choosing among the
+chosen tree's prefixes after each drafted level), entmtp-paper (the paper's rule: a sliding window of
 target entropy picks the bin), and the oracle (the
 best tree of the set at every step, in hindsight).
 Tokens/s are measured side by side: in each repeat every stream runs under every policy in turn, so slow
@@ -170,7 +171,8 @@ def main(argv=None) -> int:
                          "run per drafter)")
     ap.add_argument("--policies", default=None,
                     help="comma-separated subset of plain, default-static, static-best, adaptive-ema, eagle2, entmtp, "
-                         "entmtp-predictor (sets with an acceptance predictor), entmtp-paper, oracle (default: all)")
+                         "entmtp-predictor and entmtp-staged (sets with an acceptance predictor), entmtp-paper, oracle "
+                         "(default: all)")
     ap.add_argument("--shortlist", type=int, default=4,
                     help="static-best: how many of the best trees in the replay of the test positions are measured "
                          "(plus the default tree) before the fastest is kept (default: 4)")
@@ -288,6 +290,7 @@ def main(argv=None) -> int:
             }
             if ts.predictor is not None:
                 policies["entmtp-predictor"] = lambda k: entmtp_policy(ts, "entmtp-predictor")
+                policies["entmtp-staged"] = lambda k: entmtp_policy(ts, "entmtp-staged")
             if args.policies:
                 keep = set(args.policies.split(","))
                 policies = {k: v for k, v in policies.items() if k in keep}
@@ -341,10 +344,12 @@ def write(rows: list[dict], out: Path) -> None:
 def markdown(rows: list[dict]) -> str:
     cols = [("plain", "plain"), ("default-static", "default static"), ("static-best", "static-best"),
             ("adaptive-ema", "adaptive-EMA"), ("eagle2", "EAGLE-2"), ("entmtp-paper", "entmtp-paper"),
-            ("entmtp", "EntMTP (bins)"), ("entmtp-predictor", "EntMTP (predictor)"), ("oracle", "oracle")]
+            ("entmtp", "EntMTP (bins)"), ("entmtp-predictor", "EntMTP (predictor)"),
+            ("entmtp-staged", "EntMTP (staged)"), ("oracle", "oracle")]
     present = [(k, h) for k, h in cols if any(r["policy"] == k for r in rows)]
     ratios = [("entmtp", "plain"), ("entmtp", "default-static"), ("entmtp", "static-best"),
-              ("entmtp-predictor", "static-best"), ("entmtp", "entmtp-paper"), ("entmtp", "adaptive-ema"),
+              ("entmtp-predictor", "static-best"), ("entmtp-staged", "static-best"),
+              ("entmtp-staged", "entmtp-predictor"), ("entmtp", "entmtp-paper"), ("entmtp", "adaptive-ema"),
               ("entmtp", "eagle2")]
     ratios = [(a, b) for a, b in ratios if any(r["policy"] == a for r in rows) and any(r["policy"] == b for r in rows)]
     name = dict(cols)
@@ -406,7 +411,7 @@ def goals_line(rows: list[dict]) -> str:
     for r in rows:
         cells.setdefault((r["drafter"], r["task"]), {})[r["policy"]] = r["tokens_per_s"]
     out = []
-    for pol in ("entmtp", "entmtp-predictor"):
+    for pol in ("entmtp", "entmtp-predictor", "entmtp-staged"):
         have = {k: c for k, c in cells.items() if pol in c and "static-best" in c}
         if not have:
             continue

@@ -22,8 +22,12 @@ half): each step takes the tree of the pool with the most (expected accepted len
 the expected length sums, over the tree's nodes, the product of calibrated acceptance along the path.
 Two variants: `predictor` uses the draft probabilities of every depth (what Medusa's heads give before
 any tree is drafted), `predictor-d1` only the depth-1 distribution (what a sequential drafter, Hydra or
-EAGLE, knows before drafting; deeper nodes use the predictor's per-depth table). `corr` columns: the
-Pearson correlation of the predicted with the accepted length of the deepest chain.
+EAGLE, knows before drafting; deeper nodes use the predictor's per-depth table). `staged` chooses as
+predictor-d1 does, then after each drafted level re-chooses among the prefixes of its tree in the pool with
+the drafted nodes' own probabilities (the `entmtp-staged` policy; the records tell a node's probability only
+where its parent is on the true continuation, the predictor's table stands in elsewhere; levels drafted
+for nothing are charged at the set's per-depth cost). `corr` columns: the Pearson correlation of the
+predicted with the accepted length of the deepest chain.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ from entmtp_sglang.calibrate import PositionRecord, cost_models_of, load_records
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.acceptance import fit_predictor
 from entmtp_sglang.tree.construct import accepted_on, greedy_tree
+from entmtp_sglang.tree.topology import embedding
 from entmtp_sglang.tree.treeset import TreeEntry, load_tree_set
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,9 +59,10 @@ def replay(records: list[PositionRecord], choose, cost) -> float:
 
     def pick(record, history):
         t = choose(record)
-        if t.parents not in entries:
-            entries[t.parents] = TreeEntry(t, (0.0,), {1: cost(t)})
-        return entries[t.parents]
+        t, seconds = t if isinstance(t, tuple) else (t, cost(t))  # a staged choice says what its step cost
+        if (t.parents, seconds) not in entries:
+            entries[(t.parents, seconds)] = TreeEntry(t, (0.0,), {1: seconds})
+        return entries[(t.parents, seconds)]
 
     tokens, _, seconds = simulate(records, pick)
     return tokens / seconds
@@ -71,6 +77,38 @@ def best_tree(ranks: list, pool: dict, depth: int, max_rank: int, cost) -> Tree:
                / cost(t))
 
 
+def drafted_probs(tree: Tree, rec: PositionRecord, depth: int) -> list[float | None]:
+    """What a staged decision knows after drafting `tree` down to `depth`, as far as the record tells: a node's
+    own draft probability where its parent lies on the true continuation (the record keeps the drafter's top-k
+    there), None elsewhere (the predictor's table stands in)."""
+    out: list[float | None] = [1.0] + [None] * (tree.num_nodes - 1)
+    on_path = [True] + [False] * (tree.num_nodes - 1)
+    for n in range(1, tree.num_nodes):
+        d, r, p = tree.depths[n], tree.sibling_rank[n], tree.parents[n]
+        on_path[n] = on_path[p] and d <= len(rec.ranks) and rec.ranks[d - 1] == r
+        if d <= depth and on_path[p] and d <= len(rec.draft_probs) and r < len(rec.draft_probs[d - 1]):
+            out[n] = rec.draft_probs[d - 1][r]
+    return out
+
+
+def staged_choice(pred, pool: dict, cost, per_depth: float, rec: PositionRecord):
+    """The staged policy on one record: the tree chosen on the depth-1 probabilities, then after each drafted
+    level the prefix of it in the pool with the most expected tokens per second (`TreeController.restage`'s
+    rule, levels drafted for nothing charged at `per_depth`). Returns (tree, the step's seconds)."""
+    d1 = rec.draft_probs[:1]
+    tree = max(pool.values(), key=lambda t: (pred.expected_accepted(t, d1) + 1) / cost(t))
+    depth = 1
+    while depth < tree.max_depth:
+        depth += 1
+        prefixes = [t for t in pool.values() if embedding(t, tree) is not None]
+
+        def value(t):
+            spent = per_depth * max(0, depth - max(t.max_depth, 1))
+            return (pred.expected_accepted(t, d1, drafted_probs(t, rec, depth)) + 1) / (cost(t) + spent)
+        tree = max(prefixes, key=lambda t: (value(t), t.parents == tree.parents))
+    return tree, cost(tree) + per_depth * max(0, depth - max(tree.max_depth, 1))
+
+
 def fold_policy(values: list[float], train: list[int], records, bins: int, pool, depth, max_rank, cost):
     """Quantile bins of the signal on `train`; per bin the best tree; returns record -> Tree."""
     s = sorted(values[i] for i in train)
@@ -83,7 +121,7 @@ def fold_policy(values: list[float], train: list[int], records, bins: int, pool,
     return lambda rec: trees[bisect.bisect_right(edges, value_of[(rec.prompt, rec.pos)])]
 
 
-def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 6) -> dict:
+def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 6, per_depth: float = 0.0) -> dict:
     depth = max(len(r.ranks) for r in records)
     sig = signals_of(records, window)
     acc = [float(r.chain_accepted) for r in records]
@@ -116,6 +154,8 @@ def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 
                 ratios.setdefault(name, []).append(replay(sub, choose, cost) / static_best)
                 predicted = [pred.expected_accepted(chain, view(r)) for r in sub]
                 ratios.setdefault(f"corr {name}", []).append(pearson(predicted, [float(r.chain_accepted) for r in sub]))
+            ratios.setdefault("staged", []).append(
+                replay(sub, lambda rec: staged_choice(pred, pool, cost, per_depth, rec), cost) / static_best)
         for name, values in sig.items():
             for bins in BINS:
                 pol = fold_policy(values, train, records, bins, pool, depth, max_rank, cost)
@@ -127,9 +167,9 @@ def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 
 def markdown(results: dict) -> str:
     signals = ("draft_entropy", "draft_margin", "target_window", "target_ema")
     lines = ["| drafter | task | positions | corr: " + " | ".join(signals) + " | oracle | one bin | "
-             + " | ".join(f"{s}/4" for s in signals) + " | best scalar | predictor | predictor-d1 | "
+             + " | ".join(f"{s}/4" for s in signals) + " | best scalar | predictor | predictor-d1 | staged | "
              "corr: predictor / d1 | predictor's share of the oracle's headroom |",
-             "|---|---|---|" + "---|" * (2 * len(signals) + 7)]
+             "|---|---|---|" + "---|" * (2 * len(signals) + 8)]
     for key, r in results.items():
         d, t = key.split("/", 1)
         v = r["vs_static_best"]
@@ -143,13 +183,15 @@ def markdown(results: dict) -> str:
                      + " | ".join(f"{r['correlation'].get(s, float('nan')):+.2f}" for s in signals)
                      + f" | {v['oracle']:.2f}x | {v['one bin']:.2f}x | "
                      + " | ".join(f"{v[f'{s}/4']:.2f}x" if f"{s}/4" in v else "-" for s in signals)
-                     + f" | {best} {per[best]:.2f}x | {pred('predictor')} | {pred('predictor-d1')} | {corr} "
+                     + f" | {best} {per[best]:.2f}x | {pred('predictor')} | {pred('predictor-d1')} | "
+                     f"{pred('staged')} | {corr} "
                      f"| {share} |")
     lines += ["", "corr: Pearson correlation with the accepted chain length. Other columns: cross-validated replay "
               "tokens/s relative to static-best in hindsight (see the script's docstring); `/4` = 4 quantile "
               "bins; best scalar = the best signal and bin count (2, 4 or 8); predictor: the per-node "
               "acceptance predictor with every depth's draft probabilities, predictor-d1 with the depth-1 "
-              "distribution only (its corr: predicted vs accepted length of the deepest chain)."]
+              "distribution only (its corr: predicted vs accepted length of the deepest chain); staged: "
+              "predictor-d1's choice re-chosen among its prefixes after each drafted level."]
     means = {}
     for r in results.values():
         for k, x in r["vs_static_best"].items():
@@ -182,7 +224,8 @@ def main(argv=None) -> int:
                 continue
             ts = load_tree_set(path, drafter=drafter)
             cost = cost_models_of(ts)[1]
-            results[f"{drafter}/{task}"] = study(load_records(path.with_suffix(".records.jsonl")), cost)
+            results[f"{drafter}/{task}"] = study(load_records(path.with_suffix(".records.jsonl")), cost,
+                                                 per_depth=cost.per_depth)
             print(f"{drafter}/{task}: {results[f'{drafter}/{task}']}", flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")

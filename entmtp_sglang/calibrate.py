@@ -214,25 +214,46 @@ def measure_step_costs(bundle: Bundle, trees: list[Tree], prompts: list[list[int
 
 @dataclass(frozen=True)
 class StepCostModel:
-    """Seconds of one engine step: base + per_node * num_nodes + per_depth * max_depth (coefficients >= 0).
+    """Seconds of one engine step: base + per_node * num_nodes + per_depth * max_depth (coefficients >= 0),
+    and `plain`, the measured step of chain:0 (no speculation), when known (> 0).
 
-    per_depth carries the sequential drafting of Hydra and EAGLE (one drafter call per tree level)."""
+    per_depth carries the sequential drafting of Hydra and EAGLE (one drafter call per tree level). chain:0
+    has its own figure because it is another regime, not the line's first point: on a CPU one token per row
+    is a matrix-vector product, while two or more are a matrix product that costs about 1.5x as much on
+    SmolLM2 and then grows slowly with the node count, so a line through every tree prices chain:0 about a
+    quarter too high."""
 
     base: float
     per_node: float
     per_depth: float
+    plain: float = 0.0
 
     def __call__(self, tree: Tree) -> float:
+        if tree.num_nodes == 1 and self.plain > 0:
+            return self.plain
         return self.base + self.per_node * tree.num_nodes + self.per_depth * tree.max_depth
 
     def to_json(self) -> dict:
-        return {"base": round(self.base, 7), "per_node": round(self.per_node, 7),
-                "per_depth": round(self.per_depth, 7)}
+        out = {"base": round(self.base, 7), "per_node": round(self.per_node, 7),
+               "per_depth": round(self.per_depth, 7)}
+        if self.plain > 0:
+            out["plain"] = round(self.plain, 7)
+        return out
+
+    @classmethod
+    def from_json(cls, d: dict) -> "StepCostModel":
+        return cls(float(d["base"]), float(d["per_node"]), float(d["per_depth"]), float(d.get("plain", 0.0)))
 
 
 def fit_step_cost(trees: list[Tree], seconds: list[float]) -> StepCostModel:
-    """Least squares of seconds on (1, num_nodes, max_depth); a coefficient that comes out negative
-    (noise) is dropped and the rest refitted."""
+    """chain:0's measured seconds (the median of its samples) as `plain`, and least squares of the other
+    trees' seconds on (1, num_nodes, max_depth) (all trees when fewer than three others were measured); a
+    coefficient that comes out negative (noise) is dropped and the rest refitted."""
+    plain = [s for t, s in zip(trees, seconds) if t.num_nodes == 1]
+    rest = [(t, s) for t, s in zip(trees, seconds) if t.num_nodes > 1]
+    if len(rest) >= 3 and plain:
+        line = fit_step_cost([t for t, _ in rest], [s for _, s in rest])
+        return StepCostModel(line.base, line.per_node, line.per_depth, statistics.median(plain))
     cols = [0, 1, 2]
     feats = [[1.0, float(t.num_nodes), float(t.max_depth)] for t in trees]
     y = torch.tensor(seconds, dtype=torch.float64).unsqueeze(1)
@@ -265,7 +286,7 @@ def cost_models_of(tree_set: TreeSet) -> dict[int, StepCostModel]:
     raw = tree_set.provenance.get("step_cost_model")
     if not raw:
         raise ValueError(f"tree set {tree_set.drafter}/{tree_set.task} records no step-cost model")
-    return {int(b): StepCostModel(m["base"], m["per_node"], m["per_depth"]) for b, m in raw.items()}
+    return {int(b): StepCostModel.from_json(m) for b, m in raw.items()}
 
 
 _STEP_COST_CACHE: dict[tuple, StepCostModel] = {}
@@ -285,19 +306,6 @@ def step_cost_models(bundle: Bundle, prompts: list[list[int]], batch_sizes=COST_
             log(f"batch {bsz}: step seconds ~ {_STEP_COST_CACHE[key].to_json()} (in situ, {len(grid)} trees)")
         out[bsz] = _STEP_COST_CACHE[key]
     return out
-
-
-def fit_cost_model(samples: list[tuple[Tree, float]]):
-    """Least squares: seconds ~ a + b * num_nodes + c * max_depth."""
-    x = torch.tensor([[1.0, t.num_nodes, t.max_depth] for t, _ in samples], dtype=torch.float64)
-    y = torch.tensor([c for _, c in samples], dtype=torch.float64)
-    coef = torch.linalg.lstsq(x, y.unsqueeze(1)).solution.squeeze(1)
-    floor = min(c for _, c in samples)
-
-    def predict(tree: Tree) -> float:
-        return max(floor * 0.5, float(coef[0] + coef[1] * tree.num_nodes + coef[2] * tree.max_depth))
-
-    return predict
 
 
 def git_commit() -> str:

@@ -21,6 +21,9 @@ policies (--policy):
   entmtp-bins      the set's signal bins (draft margin or entropy) -> the tree with the most expected
                    tokens per second, with acceptance feedback and hysteresis
   entmtp-predictor per-node acceptance predicted from the drafter's probabilities (OPT-Tree's objective)
+  entmtp-staged    entmtp-predictor, re-choosing after each drafted level among the prefixes of the
+                   chosen tree, with the drafted nodes' own probabilities (drafts and verifies less when
+                   the early drafts look weak)
   entmtp-paper     the paper's rule: a sliding window of target entropy picks the bin (the set is rebuilt
                    from its calibration records, which a checkout ships next to it)
   static           one tree (--tree) every step
@@ -39,7 +42,8 @@ examples:
 """
 
 
-POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor", "entmtp-paper", "static", "adaptive", "eagle2")
+POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor", "entmtp-staged", "entmtp-paper", "static", "adaptive",
+            "eagle2")
 
 
 def _add_generate(sub) -> None:
@@ -453,6 +457,12 @@ def _add_model(sub) -> None:
     q.add_argument("--force", action="store_true", help="convert again even if a prepared copy exists")
     w = msub.add_parser("path", help="print the prepared directory (preparing it if needed)")
     w.add_argument("name", choices=sorted(MODELS))
+    t = msub.add_parser("token-map", help="print the path of a drafter's SGLang --speculative-token-map file",
+                        description="Write once and print the SGLang --speculative-token-map file of a prepared "
+                                    "model's drafter (its draft vocabulary's token ids), so that SGLang drafts over "
+                                    "the vocabulary the drafter was trained on.")
+    t.add_argument("name", choices=sorted(MODELS))
+    t.add_argument("--drafter", default="eagle", help="drafter directory inside the model (default: eagle)")
 
 
 def _model(args) -> int:
@@ -461,9 +471,13 @@ def _model(args) -> int:
     def log(msg):
         print(msg, file=sys.stderr)
 
+    from .model.load import ModelDirError, draft_token_map
+
     try:
         path = prepare(args.name, force=getattr(args, "force", False), log=log)
-    except PrepareError as e:
+        if args.model_command == "token-map":
+            path = draft_token_map(path / args.drafter)
+    except (PrepareError, ModelDirError) as e:
         print(f"entmtp model: {e}", file=sys.stderr)
         return 2
     print(path)

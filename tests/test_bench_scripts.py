@@ -72,8 +72,9 @@ def test_signal_study_finds_the_informative_signal():
     assert v["draft_entropy/4"] < 1.02 and v["one bin"] < 1.02
     # the per-node predictor sees the same information in the draft probabilities
     assert v["predictor"] > 0.97 * v["oracle"] and v["predictor-d1"] > 0.97 * v["oracle"]
+    assert v["staged"] > 0.97 * v["oracle"]
     assert v["corr predictor"] > 0.8
     md = signals.markdown({"hydra/code": out})
     row = next(line for line in md.splitlines() if line.startswith("| hydra | code | 480 |"))
-    assert row.split("|")[-6].strip().startswith("draft_margin/")  # the best scalar signal
+    assert row.split("|")[-7].strip().startswith("draft_margin/")  # the best scalar signal
     assert row.split("|")[-2].strip() in ("100%", "99%", "98%")  # the predictor's share of the headroom

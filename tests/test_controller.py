@@ -99,3 +99,56 @@ def test_keep_only_forgets_finished_requests():
         c.record(key, 4)
     c.keep_only({"b"})
     assert set(c.requests) == {"b"}
+
+
+def test_embedding_places_a_prefix_tree_inside_a_larger_one():
+    from entmtp_sglang.tree.topology import embedding
+
+    big = Tree((-1, 0, 0, 1, 2, 3))             # 0 -> 1, 2; 1 -> 3; 2 -> 4; 3 -> 5
+    assert embedding(Tree.chain(0), big) == (0,)
+    assert embedding(Tree.chain(3), big) == (0, 1, 3, 5)
+    assert embedding(Tree((-1, 0, 0, 2)), big) == (0, 1, 2, 4)
+    assert embedding(Tree.chain(4), big) is None          # too deep
+    assert embedding(Tree((-1, 0, 0, 0)), big) is None    # a third root child the big tree lacks
+
+
+def _staged_set() -> TreeSet:
+    """chain:0..3 costing 1.0 + 0.1 per level drafted + 0.1 per node verified; the predictor maps a drafted
+    probability p to q = p (0.9 per level beyond what is known)."""
+    q = AcceptancePredictor(tuple(IsotonicMap((0.0, 0.5, 0.99), (0.0, 0.5, 0.99)) for _ in range(3)),
+                            tuple(((0.9,),) for _ in range(3)), ())
+    entries = tuple(TreeEntry(Tree.chain(d), (0.0,), {1: 1.0 + 0.2 * d, 8: 2.0 + 0.4 * d}) for d in range(4))
+    prov = {"step_cost_model": {"1": {"base": 1.0, "per_node": 0.0, "per_depth": 0.1}}}
+    return TreeSet("m", "eagle", "t", "draft_margin", (), entries, provenance=prov, predictor=q.to_json())
+
+
+def test_restage_keeps_the_chosen_tree_while_its_drafts_stay_likely():
+    from entmtp_sglang.policy.controller import StageInput
+
+    c = TreeController.for_tree_set(_staged_set())
+    idx = c.choose([RequestInput("a", 0.0, probs=(0.99,))])
+    assert c.tree_set.trees[idx].tree.name == "chain:3"   # deep table: 0.9 per level beyond depth 1
+    same = c.restage(idx, [StageInput("a", (0.99,), (1.0, 0.99, 0.99, None))], drafted_depth=2)
+    assert same == (idx, (0, 1, 2, 3))
+
+
+def test_restage_cuts_the_tree_at_a_draft_the_target_will_reject():
+    from entmtp_sglang.policy.controller import StageInput
+
+    c = TreeController.for_tree_set(_staged_set())
+    idx = c.choose([RequestInput("a", 0.0, probs=(0.99,))])
+    # the depth-2 draft has probability 0.01: nothing past depth 1 will be accepted; chain:1, its nodes 0, 1
+    new, image = c.restage(idx, [StageInput("a", (0.99,), (1.0, 0.99, 0.01, None))], drafted_depth=2)
+    assert c.tree_set.trees[new].tree.name == "chain:1" and image == (0, 1)
+    # the feedback now expects what chain:1 was predicted to accept
+    assert c.requests["a"].pending == pytest.approx(0.99)
+    # a drafted depth-1 node at probability 0 makes every prefix but chain:0 worthless
+    new, image = c.restage(idx, [StageInput("b", (0.99,), (1.0, 0.0, 0.5, None))], drafted_depth=2)
+    assert c.tree_set.trees[new].tree.name == "chain:0" and image == (0,)
+
+
+def test_restage_without_a_predictor_keeps_the_tree():
+    c = TreeController(_set())
+    from entmtp_sglang.policy.controller import StageInput
+
+    assert c.restage(2, [StageInput("a", (0.9,), (1.0, 0.0, 0.0, 0.0, 0.0))], 2) == (2, (0, 1, 2, 3, 4))

@@ -150,3 +150,45 @@ def test_prune_by_confidence_keeps_a_prefix_closed_subtree():
     nodes = prune_by_confidence(tree, [0.0, -0.1, -1.0, -0.2, -3.0, -0.1], 4)
     assert nodes == [0, 1, 2, 3]
     assert subtree(tree, nodes).parents == (-1, 0, 0, 1)
+
+
+def _staged_tree_set():
+    """chain:0..4 and a branching tree with its prefix; drafts believed (deep table 0.95) until drafted, then
+    a node counts only if its own draft probability is at least 0.95: the chosen trees are deep, staging
+    cuts them."""
+    from entmtp_sglang.tree.acceptance import AcceptancePredictor, IsotonicMap
+    from entmtp_sglang.tree.treeset import TreeEntry, TreeSet
+
+    trees = [Tree.chain(d) for d in range(5)] + [Tree((-1, 0, 0)), Tree((-1, 0, 0, 1, 1, 3))]
+    q = AcceptancePredictor(tuple(IsotonicMap((0.0, 0.95), (0.0, 0.9)) for _ in range(4)),
+                            tuple(((0.95, 0.5),) for _ in range(4)), ())
+    cost = {1: 1.0, 4: 2.0}
+    entries = tuple(TreeEntry(t, (0.0,), {b: c + 0.02 * c * (t.num_nodes + t.max_depth) for b, c in cost.items()})
+                    for t in trees)
+    prov = {"step_cost_model": {"1": {"base": 1.0, "per_node": 0.02, "per_depth": 0.02}}}
+    return TreeSet("m", "eagle", "t", "draft_margin", (), entries, provenance=prov, predictor=q.to_json())
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+def test_staged_decisions_are_lossless_and_cut_trees(random_models, kind):
+    from entmtp_sglang.policy.policies import entmtp_policy
+
+    target, drafters = random_models
+    prompts = _prompts(4, seed=3)
+    ref = [generate_plain(target, p, 24) for p in prompts]
+    ts = _staged_tree_set()
+    engine = Engine(target, kind, drafters[kind])
+    for batch in (prompts, prompts[:1]):
+        policy = entmtp_policy(ts, "entmtp-staged")
+        out = engine.generate(batch, 24, policy, observer=policy.observe)
+        assert [r.output_ids for r in out] == ref[: len(batch)]
+        names = [s.tree for r in out for s in r.steps]
+        # the deep trees were chosen, and staged decisions verified smaller ones on some steps
+        assert any(n not in ("chain:4", "tree:n6d3") for n in names), names
+        for r in out:
+            for s in r.steps:
+                assert s.num_nodes == next(t.tree.num_nodes for t in ts.trees if t.tree.name == s.tree)
+    # without staging the same policy verifies the trees it chose
+    policy = entmtp_policy(ts, "entmtp-predictor")
+    out = engine.generate(prompts, 24, policy, observer=policy.observe)
+    assert [r.output_ids for r in out] == ref

@@ -203,6 +203,30 @@ def test_step_cost_fit_recovers_a_linear_cost_and_drops_negative_terms():
     assert m.per_depth == 0.0 and m.per_node >= 0.0 and all(m(t) > 0 for t in trees)
 
 
+def test_chain0_keeps_its_measured_cost_apart_from_the_line():
+    """One token per row is a matrix-vector product on a CPU, two or more a matrix product: a speculating
+    step jumps above the plain one, and a line through both would price no speculation too high."""
+    from entmtp_sglang.calibrate import StepCostModel, cost_models_of, fit_step_cost
+    from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, from_json
+
+    trees = [Tree.chain(0), Tree.chain(1), Tree.chain(2), Tree.chain(4), Tree((-1, 0, 0, 0, 1, 2))]
+    seconds = [0.060] + [0.090 + 0.002 * t.num_nodes + 0.005 * t.max_depth for t in trees[1:]]
+    m = fit_step_cost(trees, seconds)
+    assert m(Tree.chain(0)) == pytest.approx(0.060) and m.plain == pytest.approx(0.060)
+    assert m.base == pytest.approx(0.090) and m.per_node == pytest.approx(0.002)
+    back = StepCostModel.from_json(m.to_json())
+    assert back.to_json() == m.to_json() and back.plain == pytest.approx(0.060)
+    # an older model without `plain` still reads, and prices chain:0 on the line
+    old = StepCostModel.from_json({"base": 0.09, "per_node": 0.002, "per_depth": 0.005})
+    assert old.plain == 0.0 and old(Tree.chain(0)) == pytest.approx(0.092)
+    # a set file without chain:0 gets it at the measured plain cost
+    ts = TreeSet("m", "eagle", "t", "draft_margin", (), (TreeEntry(Tree.chain(2), (1.0,), {1: 0.1}),),
+                 provenance={"step_cost_model": {"1": m.to_json()}})
+    loaded = from_json(ts.to_json())
+    plain = next(t for t in loaded.trees if t.tree.num_nodes == 1)
+    assert plain.cost(1) == pytest.approx(0.060) and cost_models_of(loaded)[1].to_json() == m.to_json()
+
+
 def test_step_costs_are_measured_in_situ_for_every_tree(random_models):
     from types import SimpleNamespace
 

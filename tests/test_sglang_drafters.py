@@ -5,6 +5,10 @@
   SGLang captures the target's auxiliary hidden states and loads the draft's d2t map.
 * nextn: a MiMo target (`MiMoForCausalLM`) whose own MTP layer is the draft (`MiMoMTP`), as SGLang serves
   NEXTN: the draft model path is the target's directory.
+* eagle-token-map: the bundled model's EAGLE draft with SGLang's `--speculative-token-map` (the draft's output
+  layer sliced to the map's tokens, as for SmolLM2's draft vocabulary, `entmtp model token-map`); the map
+  here is the whole vocabulary in reverse, so drafts are only accepted if ENTMTP maps every drafted index
+  back to its token.
 
 The checkpoints are tiny, random but shaped so drafts are often accepted (entmtp_sglang/sglang/
 tiny_checkpoints.py), written into a tmp dir, with a copy of the bundled tree set renamed for them. Per
@@ -51,24 +55,32 @@ def write_tree_set(model_dir, out):
 
 
 def write_checkpoints(kind, root):
-    """(target dir, draft dir) of one drafter kind."""
+    """(target dir, draft dir, extra server arguments) of one drafter kind."""
+    if kind == "eagle-token-map":
+        import torch
+
+        from entmtp_sglang.model.load import BUNDLED_MODEL
+
+        vocab = json.loads((BUNDLED_MODEL / "config.json").read_text())["vocab_size"]
+        torch.save(list(reversed(range(vocab))), root / "token_map.pt")
+        return BUNDLED_MODEL, BUNDLED_MODEL / "eagle", ("--speculative-token-map", str(root / "token_map.pt"))
     if kind == "eagle3":
         target = tiny.write_llama_target(root / "tiny-llama")
-        return target, tiny.write_eagle3_draft(root / "tiny-llama-eagle3", target)
+        return target, tiny.write_eagle3_draft(root / "tiny-llama-eagle3", target), ()
     target = tiny.write_mimo_with_mtp(root / "tiny-mimo")
-    return target, target
+    return target, target, ()
 
 
-@pytest.fixture(scope="module", params=["eagle3", "nextn"])
+@pytest.fixture(scope="module", params=["eagle3", "nextn", "eagle-token-map"])
 def servers(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"drafter-{request.param}")
-    target, draft = write_checkpoints(request.param, root)
+    target, draft, extra = write_checkpoints(request.param, root)
     tree_set = write_tree_set(target, root / "trees.json")
     f32 = ("--dtype", "float32")
     plain = SGLangServer(cpu_args(None, model=target, attention="torch_native", extra=f32), free_port(),
                          log_path=root / "plain.log")
     ent = SGLangServer(cpu_args(None, model=target, extra=f32 + (
-        "--speculative-algorithm", "ENTMTP", "--speculative-draft-model-path", str(draft))), free_port(),
+        "--speculative-algorithm", "ENTMTP", "--speculative-draft-model-path", str(draft)) + extra), free_port(),
         env={ENV_TREE_SET: str(tree_set)}, log_path=root / "entmtp.log")
     plain.start(wait=False)
     ent.start(wait=False)

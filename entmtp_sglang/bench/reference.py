@@ -25,7 +25,7 @@ from collections import Counter
 
 import torch
 
-from ..calibrate import CalibrationConfig, fit_cost_model, load_records, record_positions
+from ..calibrate import CalibrationConfig, fit_step_cost, load_records, record_positions
 from ..engine.engine import Engine, StepView, static_chooser
 from ..model.load import load_bundle
 from ..policy.policies import AdaptiveEMAPolicy, Eagle2Policy, OraclePolicy, StaticPolicy, entmtp_policy
@@ -261,7 +261,7 @@ class Resources:
                    [independent_tree(acc, n) for n in (8, 16, 32)]
             self.measure_costs(drafter, refs, batch_size)
             samples = [(t, self.cost(drafter, t, batch_size)) for t in refs]
-            fit = fit_cost_model(samples)
+            fit = fit_step_cost([t for t, _ in samples], [c for _, c in samples])
             measured = {t.parents: c for t, c in samples}
             self._costs[key] = lambda t: measured.get(t.parents) or fit(t)
         return self._costs[key]

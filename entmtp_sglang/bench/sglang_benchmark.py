@@ -47,13 +47,14 @@ class SystemSpec:
     adaptive: bool = False
     attention: str = "entmtp_torch"
     env: tuple[tuple[str, str], ...] = ()   # extra environment (e.g. ENTMTP_TREE_SET)
+    args: tuple[str, ...] = ()              # extra server arguments (e.g. --speculative-token-map FILE)
 
     def server(self, log_dir: Path, device_args: tuple[str, ...], model: Path | None = None) -> SGLangServer:
         kw = {"model": Path(model)} if model else {}
         return SGLangServer.cpu(self.speculative, env=dict(self.env), **kw, steps=self.steps, topk=self.topk,
                                 draft_tokens=self.draft_tokens, adaptive=self.adaptive,
                                 attention=self.attention, log_path=log_dir / f"{self.name}.log",
-                                extra=device_args)
+                                extra=device_args + self.args)
 
     @property
     def static_tree_nodes(self) -> int | None:
@@ -83,8 +84,11 @@ class ServerPool:
     (serve.py), so no server outlives the benchmark."""
 
     def __init__(self, log_dir: Path, device_args: tuple[str, ...] = FLOAT32, progress=print,
-                 model: Path | None = None):
+                 model: Path | None = None, starts_at_once: int | None = None):
+        if starts_at_once is not None and starts_at_once < 1:
+            raise ValueError(f"starts_at_once must be >= 1, got {starts_at_once}")
         self.log_dir, self.device_args, self.progress = Path(log_dir), tuple(device_args), progress
+        self.starts_at_once = starts_at_once  # None: all at once; a few for a model whose loading peaks high
         self.model = model  # None: the bundled model
         self.specs: dict[str, SystemSpec] = {}
         self.servers: dict[str, SGLangServer] = {}
@@ -107,17 +111,21 @@ class ServerPool:
             self._atexit = True
         self.log_dir.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
+        step = self.starts_at_once or len(todo)
         try:
-            for spec in todo:
-                model = (self.model,) if self.model else ()
-                srv = self.servers[spec.name] = spec.server(self.log_dir, self.device_args, *model).start(wait=False)
-                proc = getattr(srv, "proc", None)
-                self.started.append((spec.name, proc.pid if proc is not None else -1, getattr(srv, "port", -1)))
-            for spec in todo:
-                srv = self.servers[spec.name]
-                srv.wait_ready()
-                srv.generate("warm up", 8)
-                self.progress(f"SGLang {spec.name} ready (log {srv.log_path})")
+            for k in range(0, len(todo), step):
+                wave = todo[k:k + step]
+                for spec in wave:
+                    model = (self.model,) if self.model else ()
+                    srv = spec.server(self.log_dir, self.device_args, *model).start(wait=False)
+                    self.servers[spec.name] = srv
+                    proc = getattr(srv, "proc", None)
+                    self.started.append((spec.name, proc.pid if proc is not None else -1, getattr(srv, "port", -1)))
+                for spec in wave:
+                    srv = self.servers[spec.name]
+                    srv.wait_ready()
+                    srv.generate("warm up", 8)
+                    self.progress(f"SGLang {spec.name} ready (log {srv.log_path})")
         except BaseException:
             self.stop()
             raise
@@ -230,11 +238,11 @@ def run_batch(srv: SGLangServer, prompts: list[str], batch: int, max_new: int) -
 
 def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64, repeats: int = 3,
         log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
-        on_repeat=None, model: Path | None = None) -> list[Row]:
+        on_repeat=None, model: Path | None = None, starts_at_once: int | None = None) -> list[Row]:
     """All servers up at once (idle ones sleep), measurements interleaved: for each repeat, each batch size,
     each system in turn; tokens/s is the median over repeats, so load from elsewhere hits all alike."""
     prompts = bench_prompts(per_task)
-    pool = ServerPool(log_dir, ("--dtype", dtype), progress, model=model)
+    pool = ServerPool(log_dir, ("--dtype", dtype), progress, model=model, starts_at_once=starts_at_once)
     for spec in systems:
         pool.add(spec)
     with pool:

@@ -52,6 +52,21 @@ def _children_from_parents(tokens, logprobs, trees: PaddedTrees, depth: int, par
         dst[sel] = torch.gather(cand, 2, rank).squeeze(-1)[sel].to(dst.dtype)
 
 
+def _restage(trees: PaddedTrees, after_level, depth: int, tokens, logprobs) -> None:
+    """A staged decision after drafting `depth`: `after_level(depth, tokens, logprobs)` may return a (B, N)
+    bool mask of the nodes to keep; the others are drafted no further (nor are their descendants)."""
+    if after_level is None:
+        return
+    keep = after_level(depth, tokens, logprobs)
+    if keep is None:
+        return
+    valid = trees.valid & keep
+    kids = torch.zeros(valid.shape, dtype=torch.int64)
+    kids.scatter_add_(1, trees.parents.clamp(min=0), (valid & (trees.parents >= 0)).long())
+    trees.valid.copy_(valid)
+    trees.has_children.copy_(valid & (kids > 0))
+
+
 def _start(state: DraftState, trees: PaddedTrees, legal=None):
     b, n = trees.parents.shape
     tokens = torch.zeros((b, n), dtype=torch.int64)
@@ -71,7 +86,8 @@ class MedusaDrafting:
     def begin(self, features, roots) -> DraftState:
         return DraftState(features, roots, self.heads.head_logits(features, 1))
 
-    def expand(self, state: DraftState, trees: PaddedTrees, legal=None):
+    def expand(self, state: DraftState, trees: PaddedTrees, legal=None, after_level=None):
+        """`after_level`: a staged decision after each drafted level (`_restage`)."""
         tokens, logprobs = _start(state, trees, legal)
         for depth in range(1, trees.max_depth):
             idx, ok = trees.level(depth, need_children=True)  # parents of the depth+1 nodes
@@ -80,6 +96,7 @@ class MedusaDrafting:
             # Medusa heads ignore the parent's token: every parent at a depth shares one distribution
             logits = self.heads.head_logits(state.features, depth + 1).unsqueeze(1).expand(-1, idx.shape[1], -1)
             _children_from_parents(tokens, logprobs, trees, depth + 1, idx, ok, logits, legal)
+            _restage(trees, after_level, depth + 1, tokens, logprobs)
         return tokens, logprobs
 
     def path_logits(self, state: DraftState, true_tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -100,7 +117,8 @@ class HydraDrafting:
         z, logits = self.head.step(features, roots, 1)
         return DraftState(features, roots, logits, extra=z)
 
-    def expand(self, state: DraftState, trees: PaddedTrees, legal=None):
+    def expand(self, state: DraftState, trees: PaddedTrees, legal=None, after_level=None):
+        """`after_level`: a staged decision after each drafted level (`_restage`)."""
         b, n = trees.parents.shape
         d = state.features.shape[-1]
         tokens, logprobs = _start(state, trees, legal)
@@ -116,6 +134,7 @@ class HydraDrafting:
             z, logits = self.head.step(prev, tok, depth + 1)
             states.scatter_(1, idx.unsqueeze(-1).expand(-1, -1, d), torch.where(ok.unsqueeze(-1), z, prev))
             _children_from_parents(tokens, logprobs, trees, depth + 1, idx, ok, logits, legal)
+            _restage(trees, after_level, depth + 1, tokens, logprobs)
         return tokens, logprobs
 
     def path_logits(self, state: DraftState, true_tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -174,7 +193,8 @@ class EagleDrafting:
         out = self.draft(roots.view(b, 1), features.view(b, 1, -1), pos, mask, self.cache, self.lens)
         return DraftState(features, roots, self.logits(out[:, 0]), extra=out[:, 0])
 
-    def expand(self, state: DraftState, trees: PaddedTrees, legal=None):
+    def expand(self, state: DraftState, trees: PaddedTrees, legal=None, after_level=None):
+        """`after_level`: a staged decision after each drafted level (`_restage`)."""
         b, n = trees.parents.shape
         d = state.features.shape[-1]
         tokens, logprobs = _start(state, trees, legal)
@@ -194,6 +214,7 @@ class EagleDrafting:
             out = self.draft(tok, feats, pos, mask, self.cache, slots)
             outs.scatter_(1, idx.unsqueeze(-1).expand(-1, -1, d), torch.where(ok.unsqueeze(-1), out, feats))
             _children_from_parents(tokens, logprobs, trees, depth + 1, idx, ok, self.logits(out), legal)
+            _restage(trees, after_level, depth + 1, tokens, logprobs)
         return tokens, logprobs
 
     def path_logits(self, state: DraftState, true_tokens: torch.Tensor) -> list[torch.Tensor]:

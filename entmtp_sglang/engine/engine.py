@@ -2,7 +2,8 @@
 
 One decode step for a batch, each request with its own tree:
 
-    draft   : drafter.begin(f_{n-1}, root) -> the policy chooses a tree -> drafter.expand(tree)
+    draft   : drafter.begin(f_{n-1}, root) -> the policy chooses a tree -> drafter.expand(tree), level by
+              level; a staged policy may cut the tree to one of its prefixes after each level
     verify  : one target pass over all tree nodes with the tree attention mask
     accept  : greedy (longest path matching the target's argmax) or recursive rejection sampling
     commit  : move the accepted nodes' KV into place (compaction); root <- the target's next token
@@ -250,12 +251,14 @@ class Engine:
             if observer is not None:  # after the grammar mask: it sees what the choosers' views carry
                 observer(state, lens, drafting, active)
             views, chosen = self._choose_trees(chooser, state, results, active, lens, drafting)
-            tokens, trees = self._draft(drafting, state, chosen, legal)  # trees: as pruned, for verification
+            restage = chooser.restage if getattr(chooser, "staged", False) else None
+            tokens, trees, staged = self._draft(drafting, state, chosen, legal, restage, active)  # as verified
             accepted, hidden, logits = self._verify(tokens, trees, lens, cache, sampling, gen, grammars, active)
             feats, roots, commit = self._commit(accepted, hidden, lens, cache, state, active)
             if self.drafter_kind == "eagle":
                 drafting.commit(*commit)
-            self._record(results, views, [t.name for t in chosen], trees, accepted, logits, grammars, active,
+            names = [staged[i][0].name if i in staged else t.name for i, t in enumerate(chosen)]
+            self._record(results, views, names, trees, accepted, logits, grammars, active,
                          max_new_tokens, time.perf_counter() - t0)
         return results
 
@@ -342,33 +345,55 @@ class Engine:
             return logits.argmax(-1)
         return torch.multinomial(probs_from_logits(logits, sampling), 1, generator=gen).squeeze(-1)
 
-    def _draft(self, drafting, state: DraftState, trees: list, legal):
-        """Fill every node of each request's tree with a drafted token; an EAGLE-2 style tree keeps its most
-        confident nodes, and grammar-masked drafts lose the branches the grammar forbids. Returns the
-        (B, N) tokens (padded) and the trees as they will be verified."""
+    def _draft(self, drafting, state: DraftState, trees: list, legal, restage=None, active=None):
+        """Fill every node of each request's tree with a drafted token; a staged decision or an EAGLE-2 style
+        tree keeps fewer nodes, and grammar-masked drafts lose the branches the grammar forbids. Returns the
+        (B, N) tokens (padded), the trees as they will be verified, and {request: (tree, nodes)} for the
+        requests a staged decision moved to a smaller tree.
+
+        `restage(depth, drafted, drafting)`, a chooser's staged decision, is called after each drafted level
+        beyond the first with `drafted[i][n]`, node n's draft probability (None where not drafted yet), and
+        `drafting[i]`, the tree request i drafts (None for a finished request); it returns {request: (tree,
+        its nodes in the drafted tree)}, and the drafter expands those nodes only."""
         wide = [t.wide if isinstance(t, DynamicTree) else t for t in trees]
         padded = pad_trees(wide)
         if legal is not None:
             legal.parents = padded.parents
-        tokens, logprobs = drafting.expand(state, padded, legal)  # (B, N)
+        staged: dict[int, tuple[Tree, tuple[int, ...]]] = {}
+        after_level = None
+        if restage is not None:
+            def after_level(depth: int, tokens: torch.Tensor, logprobs: torch.Tensor):
+                probs = torch.exp(logprobs).masked_fill(padded.depths > depth, float("nan")).tolist()
+                drafting_now = [w if active is None or active[i] else None for i, w in enumerate(wide)]
+                new = restage(depth, [[None if p != p else p for p in row] for row in probs], drafting_now)
+                if not new:
+                    return None
+                staged.update(new)
+                keep = torch.ones_like(padded.valid)
+                for i, (_, image) in new.items():
+                    keep[i] = False
+                    keep[i, list(image)] = True
+                return keep
+        tokens, logprobs = drafting.expand(state, padded, legal, after_level)  # (B, N)
         prune = legal is not None and bool(torch.isinf(logprobs).any())
-        if prune or any(isinstance(t, DynamicTree) for t in trees):
+        if prune or staged or any(isinstance(t, DynamicTree) for t in trees):
             new_tokens, new_trees = [], []
             for i, t in enumerate(trees):
                 full = t.wide if isinstance(t, DynamicTree) else t
-                lp = logprobs[i, : full.num_nodes].tolist()
-                keep = t.keep if isinstance(t, DynamicTree) else full.num_nodes
-                nodes = prune_by_confidence(full, lp, keep)
-                if nodes == list(range(full.num_nodes)):
-                    new_trees.append(full)
+                base, image = staged.get(i, (full, list(range(full.num_nodes))))
+                lp = logprobs[i, image].tolist()
+                keep = t.keep if isinstance(t, DynamicTree) else base.num_nodes
+                nodes = prune_by_confidence(base, lp, keep)
+                if nodes == list(range(base.num_nodes)):
+                    new_trees.append(base)
                 else:
-                    new_trees.append(subtree(full, nodes))
-                new_tokens.append(tokens[i, nodes])
+                    new_trees.append(subtree(base, nodes))
+                new_tokens.append(tokens[i, [image[k] for k in nodes]])
             trees = new_trees
             tokens = torch.zeros(pad_trees(new_trees).parents.shape, dtype=torch.int64)
             for i, row in enumerate(new_tokens):
                 tokens[i, : len(row)] = row
-        return tokens, trees
+        return tokens, trees, staged
 
     def _verify(self, tokens: torch.Tensor, trees: list, lens, cache, sampling, gen, grammars, active):
         """One target pass over every node of every tree (tree attention), the grammar masks applied to

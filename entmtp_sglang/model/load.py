@@ -193,6 +193,28 @@ class PromptTokenizer:
         return self.encode("<|im_end|>\n" + turn).ids
 
 
+def draft_token_map(drafter_dir: str | Path) -> Path:
+    """SGLang's `--speculative-token-map` file for a drafter trained over a draft vocabulary: the vocabulary's
+    token ids (a `.pt` list, what SGLang's `load_token_map` reads), written once next to
+    `draft_vocab.safetensors`. SGLang then drafts over those tokens only (its output layer sliced to them), as
+    the drafter was trained and as the reference engine drafts; without it SGLang drafts over the whole
+    vocabulary, an output layer about six times larger for SmolLM2's 8,192-token draft vocabulary."""
+    d = Path(drafter_dir)
+    src = d / "draft_vocab.safetensors"
+    if not src.exists():
+        raise ModelDirError(f"{d} has no draft vocabulary ({src.name}): it drafts over the whole vocabulary and "
+                            "needs no token map")
+    out = d / "draft_vocab.pt"
+    if not out.exists() or out.stat().st_mtime < src.stat().st_mtime:
+        from safetensors.torch import load_file
+
+        ids = load_file(str(src))["draft_ids"].long().tolist()
+        tmp = out.with_name(out.name + ".tmp")
+        torch.save(ids, tmp)
+        tmp.replace(out)
+    return out
+
+
 def load_bundle(model_dir: Path | None = None, drafter: str = "medusa",
                 dtype: torch.dtype = torch.float32) -> Bundle:
     from tokenizers import Tokenizer

@@ -14,15 +14,21 @@ stateful lives here once:
   row count (`selector.select_by_expected`), chain:0 included, so it backs off to plain decoding;
 * hysteresis: the group's current tree is kept unless another is expected to be `hysteresis` faster;
 * pins: when every request of the batch names the same tree of the set (`pin`), that tree;
-* room: no tree with more nodes than the least room any request has before its context limit.
+* room: no tree with more nodes than the least room any request has before its context limit;
+* staged decisions (`restage`), for drafters that draft level by level (Hydra, EAGLE): once the drafter has
+  run on the chosen tree's first levels, each node drafted so far has its own draft probability, and the
+  controller re-chooses among the set's trees that are prefixes of the chosen one (`tree.embedding`), so a
+  step whose early drafts look weak verifies, and drafts, less than it chose before it saw them.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Hashable, Sequence
 
 from ..tree.acceptance import AcceptancePredictor
+from ..tree.topology import embedding
 from ..tree.treeset import TreeSet
 from .selector import acceptance_scale, binned_expected, predicted_expected, select_by_expected
 
@@ -42,6 +48,16 @@ class RequestInput:
     probs: tuple[float, ...] = () # the drafter's largest probabilities for the next position (predictor input)
     room: int | None = None       # tree nodes that still fit before the request's context limit
     pin: str | None = None        # the name of a tree of the set this request asks for
+
+
+@dataclass(frozen=True)
+class StageInput:
+    """One request at a staged decision: `drafted[n]` is the draft probability of node n of the tree chosen
+    for this step under its parent's distribution, None where the drafter has not reached it yet."""
+
+    key: Hashable
+    probs: tuple[float, ...]          # the depth-1 top-k draft probabilities the step was chosen on
+    drafted: tuple[float | None, ...]
 
 
 @dataclass
@@ -67,6 +83,7 @@ class TreeController:
         if self.max_nodes is not None and self.max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
         self._index = {t.tree.name: i for i, t in enumerate(self.tree_set.trees)}
+        self._prefixes: dict[int, list] = {}
 
     @classmethod
     def for_tree_set(cls, tree_set: TreeSet, use_predictor: bool = True, **kwargs) -> "TreeController":
@@ -120,6 +137,65 @@ class TreeController:
             self.current[group] = idx
         self._set_pending(requests, expected, idx)
         return idx
+
+    def prefixes(self, idx: int) -> list[tuple[int, tuple[int, ...]]]:
+        """(index, image) of every tree of the set that is a prefix of tree `idx` (itself and chain:0
+        included), with where its nodes sit in tree `idx`."""
+        if idx not in self._prefixes:
+            big = self.tree_set.trees[idx].tree
+            found = ((i, embedding(t.tree, big)) for i, t in enumerate(self.tree_set.trees))
+            self._prefixes[idx] = [(i, image) for i, image in found if image is not None]
+        return self._prefixes[idx]
+
+    def restage(self, idx: int, requests: Sequence[StageInput], drafted_depth: int,
+                rows: int | None = None) -> tuple[int, tuple[int, ...]]:
+        """A staged decision for a step that chose tree `idx` and has drafted its nodes down to
+        `drafted_depth`: the prefix of tree `idx` (a tree of the set) with the most expected tokens per
+        second now that the drafted nodes' own probabilities are known, and where its nodes sit in tree `idx`.
+
+        A prefix shallower than what was already drafted is charged the drafting levels it no longer needs
+        (the set's per-depth step cost): they are spent. The chosen tree is kept unless a prefix is
+        `hysteresis` faster. Without a predictor, tree `idx` itself."""
+        big = self.tree_set.trees[idx].tree
+        whole = tuple(range(big.num_nodes))
+        if self.predictor is None or not requests:
+            return idx, whole
+        rows = rows or len(requests)
+        per_depth = self._per_depth(rows)
+        scales = [self.scale(r.key) for r in requests]
+        best, best_value, kept_value = idx, -math.inf, -math.inf
+        for i, image in self.prefixes(idx):
+            tree = self.tree_set.trees[i].tree
+            tokens = 0.0
+            for r, s in zip(requests, scales):
+                e = self.predictor.expected_accepted(tree, [r.probs], [r.drafted[m] for m in image])
+                tokens += min(s * e, tree.max_depth) + 1.0
+            spent = per_depth * max(0, drafted_depth - max(tree.max_depth, 1))  # levels drafted for nothing
+            value = tokens / (self.tree_set.trees[i].cost(rows) + spent)
+            if i == idx:
+                kept_value = value
+            if value > best_value:
+                best, best_value = i, value
+        if kept_value * (1 + self.hysteresis) >= best_value:
+            best = idx
+        if best != idx:
+            image = dict(self.prefixes(idx))[best]
+            for r in requests:
+                st = self.requests.setdefault(r.key, _Feedback())
+                tree = self.tree_set.trees[best].tree
+                st.pending = (self.predictor.expected_accepted(tree, [r.probs], [r.drafted[m] for m in image])
+                              if tree.max_depth > 0 else None)
+            return best, image
+        return idx, whole
+
+    def _per_depth(self, rows: int) -> float:
+        """Seconds of one drafting level at this row count, from the set's step-cost model (0 if none)."""
+        model = self.tree_set.provenance.get("step_cost_model") if isinstance(self.tree_set.provenance, dict) else None
+        if not model:
+            return 0.0
+        sizes = {int(b): m for b, m in model.items()}
+        near = min(sizes, key=lambda b: abs(math.log(b) - math.log(max(1, rows))))
+        return max(0.0, float(sizes[near].get("per_depth", 0.0)))
 
     def _set_pending(self, requests, expected, idx) -> None:
         for k, r in enumerate(requests):

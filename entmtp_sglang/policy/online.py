@@ -83,6 +83,9 @@ def fit_costs(trees: Sequence[Tree], measured: dict[tuple[int, int], tuple[float
     pts = [(trees[i], s, n, prior[i]) for (i, b), (s, n) in measured.items() if b == bkt]
     if not pts:
         return None
+    spec = [p for p in pts if p[0].num_nodes > 1]   # chain:0 is another regime (calibrate.StepCostModel)
+    if len({(t.num_nodes, t.max_depth) for t, _, _, _ in spec}) >= 3:
+        pts = spec
     shapes = {(t.num_nodes, t.max_depth) for t, _, _, _ in pts}
     if len(shapes) >= 3:
         import torch
@@ -97,8 +100,8 @@ def fit_costs(trees: Sequence[Tree], measured: dict[tuple[int, int], tuple[float
     else:
         scale = sum(s / p * n for _, s, n, p in pts) / sum(n for _, _, n, _ in pts)
         fitted = [p * scale for p in prior]
-    for (i, b), (s, n) in measured.items():   # a tree measured often enough is its own estimate
-        if b == bkt and n >= 8:
+    for (i, b), (s, n) in measured.items():   # a tree measured often enough is its own estimate (chain:0,
+        if b == bkt and (n >= 8 or trees[i].num_nodes == 1 and pts is spec):   # off the line, at once)
             fitted[i] = s
     return fitted
 

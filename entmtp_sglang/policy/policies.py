@@ -19,7 +19,7 @@ from ..tree import Tree
 from ..tree.acceptance import AcceptancePredictor
 from ..tree.construct import accepted_on
 from ..tree.treeset import TreeSet
-from .controller import HYSTERESIS, RequestInput, TreeController
+from .controller import HYSTERESIS, RequestInput, StageInput, TreeController
 from .signals import draft_signal, signal_value
 
 # SGLang 0.5.23 DEFAULT_ADAPTIVE_CONFIG and AdaptiveSpecParams defaults
@@ -61,7 +61,10 @@ class EntMTPPolicy:
     calls on the same policy continue the same streams (the acceptance feedback carries over)."""
 
     def __init__(self, tree_set: TreeSet, window: int = 8, hysteresis: float = HYSTERESIS,
-                 feedback: bool = True, predictor: AcceptancePredictor | None = None):
+                 feedback: bool = True, predictor: AcceptancePredictor | None = None, staged: bool = False):
+        if staged and predictor is None:
+            raise ValueError("staged decisions need the per-node acceptance predictor")
+        self.staged = staged  # the engine calls `restage` after each drafted level
         self.tree_set = tree_set
         self.window = window
         self.controller = TreeController(tree_set, hysteresis, feedback, predictor)
@@ -72,7 +75,10 @@ class EntMTPPolicy:
         self._active: list[int] = []
         self._rows: int | None = None  # rows the engine computes this step (finished requests included)
         self._step_choice: int | None = None
-        self.name = "entmtp" if predictor is None else "entmtp-predictor"
+        # request -> this step's (tree index, depth-1 draft probabilities, its nodes in the tree drafted, the
+        # drafted tree's parents), for staged decisions
+        self._chosen: dict[int, tuple] = {}
+        self.name = "entmtp-staged" if staged else "entmtp" if predictor is None else "entmtp-predictor"
 
     @property
     def predictor(self) -> AcceptancePredictor | None:
@@ -111,14 +117,41 @@ class EntMTPPolicy:
                           for i in self._active]
                 self._step_choice = self.controller.choose(inputs, rows)
             idx = self._step_choice
+            probs = tuple(self._observed_probs[view.index]) if self._observed_probs else view.draft_probs
         else:
             mine = RequestInput(view.index, self._signal(view.draft_value(self.tree_set.signal), view.history),
                                 view.draft_probs)
             idx = self.controller.choose([mine], rows, group=view.index)
-        return self.tree_set.trees[idx].tree
+            probs = view.draft_probs
+        tree = self.tree_set.trees[idx].tree
+        self._chosen[view.index] = (idx, probs, tuple(range(tree.num_nodes)), tree.parents)
+        return tree
+
+    def restage(self, depth: int, drafted: list[list[float | None]], drafting: list) -> dict:
+        """The engine's staged decision after drafting `depth` (`Engine._draft`; `drafting[i]`: the tree request
+        i is drafting, None when it is not): the requests that chose together (the batch, or each alone)
+        re-choose among the prefixes of their tree (`TreeController.restage`). Returns {request: (tree, its
+        nodes in the drafted tree)} for those that move to a smaller tree."""
+        groups: dict[tuple, list[int]] = {}
+        for i, (idx, _, image, chosen) in self._chosen.items():
+            if i < len(drafting) and drafting[i] is not None and drafting[i].parents == chosen:
+                key = (idx, image) if self._observed is not None and i in self._active else (idx, image, i)
+                groups.setdefault(key, []).append(i)
+        out = {}
+        rows = self._rows or len(drafting)
+        for (idx, image, *_), members in groups.items():
+            inputs = [StageInput(i, self._chosen[i][1], tuple(drafted[i][m] for m in image)) for i in members]
+            new, rel = self.controller.restage(idx, inputs, depth, rows)
+            if new == idx:
+                continue
+            moved = tuple(image[m] for m in rel)
+            for i in members:
+                self._chosen[i] = (new, self._chosen[i][1], moved, self._chosen[i][3])
+                out[i] = (self.tree_set.trees[new].tree, moved)
+        return out
 
 
-ENTMTP_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor")
+ENTMTP_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor", "entmtp-staged")
 DEFAULT_USES_PREDICTOR = True  # `entmtp` = entmtp-predictor where the set carries a predictor (README: why)
 
 
@@ -128,12 +161,12 @@ def entmtp_policy(tree_set: TreeSet, kind: str = "entmtp", **kwargs) -> EntMTPPo
     set carries one and DEFAULT_USES_PREDICTOR, else the bins)."""
     if kind not in ENTMTP_POLICIES:
         raise ValueError(f"unknown EntMTP policy {kind!r}; choose from {', '.join(ENTMTP_POLICIES)}")
-    if kind == "entmtp-predictor" and tree_set.predictor is None:
+    if kind in ("entmtp-predictor", "entmtp-staged") and tree_set.predictor is None:
         raise ValueError(f"the {tree_set.drafter}/{tree_set.task} tree set carries no acceptance predictor; refit "
                          "it with `entmtp calibrate ... --records-only`, or use entmtp-bins")
-    use = kind == "entmtp-predictor" or (kind == "entmtp" and DEFAULT_USES_PREDICTOR)
+    use = kind in ("entmtp-predictor", "entmtp-staged") or (kind == "entmtp" and DEFAULT_USES_PREDICTOR)
     pred = AcceptancePredictor.from_json(tree_set.predictor) if use and tree_set.predictor is not None else None
-    return EntMTPPolicy(tree_set, predictor=pred, **kwargs)
+    return EntMTPPolicy(tree_set, predictor=pred, staged=kind == "entmtp-staged", **kwargs)
 
 
 class AdaptiveEMAPolicy:

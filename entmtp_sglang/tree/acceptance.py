@@ -125,21 +125,33 @@ class AcceptancePredictor:
             return self.by_depth[depth - 1](probs[depth - 1][rank])
         return self.deep[depth - 1][self.root_bin(probs[0][0])][rank]
 
-    def node_probs(self, tree: Tree, probs: Sequence[Sequence[float]]) -> list[float]:
-        """P(node accepted) for every node of `tree` (the root: 1)."""
+    def node_probs(self, tree: Tree, probs: Sequence[Sequence[float]],
+                   drafted: Sequence[float | None] | None = None) -> list[float]:
+        """P(node accepted) for every node of `tree` (the root: 1).
+
+        `drafted[n]`, where given and not None, is node n's own draft probability under its parent's
+        distribution, known once the drafter has run on the parent (a staged decision); it replaces the
+        estimate from `probs` for that node."""
         if not probs or not probs[0]:
             raise ValueError("node_probs needs at least the depth-1 draft probabilities")
+        if drafted is not None and len(drafted) != tree.num_nodes:
+            raise ValueError(f"drafted has {len(drafted)} entries for a tree of {tree.num_nodes} nodes")
         out = [1.0] * tree.num_nodes
-        depth = [0] * tree.num_nodes
+        depth = tree.depths
         for n in range(1, tree.num_nodes):
-            p = tree.parents[n]
-            depth[n] = depth[p] + 1
-            out[n] = out[p] * self.node_q(depth[n], tree.sibling_rank[n], probs)
+            d = depth[n]
+            known = drafted[n] if drafted is not None else None
+            if known is not None and d <= self.max_depth:
+                q = self.by_depth[d - 1](known)
+            else:
+                q = self.node_q(d, tree.sibling_rank[n], probs)
+            out[n] = out[tree.parents[n]] * q
         return out
 
-    def expected_accepted(self, tree: Tree, probs: Sequence[Sequence[float]]) -> float:
+    def expected_accepted(self, tree: Tree, probs: Sequence[Sequence[float]],
+                          drafted: Sequence[float | None] | None = None) -> float:
         """E[accepted drafts] of one step with `tree` (OPT-Tree's objective)."""
-        return sum(self.node_probs(tree, probs)) - 1.0
+        return sum(self.node_probs(tree, probs, drafted)) - 1.0
 
     def to_json(self) -> dict:
         return {"by_depth": [m.to_json() for m in self.by_depth],

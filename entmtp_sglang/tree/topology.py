@@ -163,6 +163,21 @@ class TreeBuffers:
     retrieve_next_sibling: torch.Tensor
 
 
+def embedding(small: Tree, big: Tree) -> tuple[int, ...] | None:
+    """Where `small` sits inside `big` when it is a prefix of it: node i of `small` is node result[i] of `big`
+    (the root on the root, the rank-r child of a node on the rank-r child of its image); None when some node
+    of `small` has no such image. A tree set's smaller trees embed in its larger ones this way, so a step
+    that drafted a large tree can verify a smaller one by keeping the image's nodes."""
+    image = [0] * small.num_nodes
+    for i in range(1, small.num_nodes):
+        kids = big.children[image[small.parents[i]]]
+        rank = small.sibling_rank[i]
+        if rank >= len(kids):
+            return None
+        image[i] = kids[rank]
+    return tuple(image)
+
+
 def build_buffers(tree: Tree, device: torch.device | str = "cpu") -> TreeBuffers:
     n = tree.num_nodes
     as_t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731

@@ -129,13 +129,15 @@ def _need(obj: dict, key: str, kind, where: str):
 def _plain_entry(entries: list[TreeEntry], num_bins: int, provenance: dict) -> TreeEntry:
     """chain:0 (no speculation) for a set file that lacks it: every set can back off to plain decoding.
 
-    Its cost comes from the set's recorded step-cost model (base + one node), else it is taken as the
-    cheapest tree's (so it wins only where drafting is expected to gain nothing)."""
+    Its cost comes from the set's recorded step-cost model (its measured chain:0 step, `plain`, or else base +
+    one node), else it is taken as the cheapest tree's (so it wins only where drafting is expected to gain
+    nothing)."""
     costs: dict[int, float] = {}
     model = provenance.get("step_cost_model") if isinstance(provenance, dict) else None
     if isinstance(model, dict):
         try:
-            costs = {int(b): float(m["base"]) + float(m["per_node"]) for b, m in model.items()}
+            costs = {int(b): float(m.get("plain") or float(m["base"]) + float(m["per_node"]))
+                     for b, m in model.items()}
         except (KeyError, TypeError, ValueError):
             costs = {}
     if not costs or any(c <= 0 for c in costs.values()):
