@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import dataclasses
 import json
 import statistics
 import sys
@@ -212,10 +213,21 @@ def main(argv=None) -> int:
     ap.add_argument("--tasks", nargs="+", default=list(TASKS))
     ap.add_argument("--out", type=Path, default=None,
                     help="default: bench/results/signals (entmtp-tiny) or bench/results/signals_<model>")
+    ap.add_argument("--plain-step", nargs="+", default=None, metavar="[DRAFTER=]SECONDS",
+                    help="price chain:0 at this measured step (seconds; per drafter as eagle=0.07) where a set's "
+                         "cost model has no measured chain:0 of its own (sets calibrated before chain:0 was "
+                         "measured apart from the line)")
     args = ap.parse_args(argv)
     model = "smollm2-135m-instruct" if args.model == "smollm2" else args.model
     drafters = args.drafters or (["hydra", "medusa"] if model == "entmtp-tiny" else ["eagle", "hydra", "medusa"])
     args.out = args.out or ROOT / "bench" / "results" / ("signals" if model == "entmtp-tiny" else f"signals_{model}")
+    plain_steps: dict[str | None, float] = {}
+    for item in args.plain_step or ():
+        key, _, value = item.rpartition("=")
+        try:
+            plain_steps[key or None] = float(value)
+        except ValueError:
+            ap.error(f"--plain-step {item!r}: expected SECONDS or DRAFTER=SECONDS")
     results = {}
     for drafter in drafters:
         for task in args.tasks:
@@ -224,6 +236,9 @@ def main(argv=None) -> int:
                 continue
             ts = load_tree_set(path, drafter=drafter)
             cost = cost_models_of(ts)[1]
+            plain = plain_steps.get(drafter, plain_steps.get(None))
+            if plain and not cost.plain:
+                cost = dataclasses.replace(cost, plain=plain)
             results[f"{drafter}/{task}"] = study(load_records(path.with_suffix(".records.jsonl")), cost,
                                                  per_depth=cost.per_depth)
             print(f"{drafter}/{task}: {results[f'{drafter}/{task}']}", flush=True)
