@@ -106,6 +106,7 @@ def run_stream(engine: Engine, k: int, segs: list[list[int]], make_policy, max_n
         into["seconds"] = into.get("seconds", 0.0) + time.perf_counter() - t0
         into["tokens"] = into.get("tokens", 0) + len(r.output_ids)
         into["steps"] = into.get("steps", 0) + len(r.steps)
+        into.setdefault("outputs", []).append(list(r.output_ids))  # compared with plain decoding's
         into["accepted"] = into.get("accepted", 0) + sum(s.accepted for s in r.steps)
         chosen = into.setdefault("trees_chosen", {})
         for s in r.steps:
@@ -310,6 +311,7 @@ def main(argv=None) -> int:
                 for pol, r in run_interleaved(engine, streams, policies, args.max_new_tokens,
                                               {"plain": plain_engine}, grammars).items():
                     runs[pol].append(r)
+            plain_out = runs["plain"][0]["outputs"] if "plain" in runs else None
             for pol, rs in runs.items():
                 row = {
                     "model": name, "drafter": drafter, "task": task, "policy": pol, "batch": 1,
@@ -323,6 +325,8 @@ def main(argv=None) -> int:
                     "step_cost_model": cost.to_json(), "entmtp_hysteresis": HYSTERESIS,
                     "machine": f"{torch.get_num_threads()} threads",
                 }
+                if plain_out is not None:  # every segment's output against plain decoding's, first repeat
+                    row["equal_to_plain"] = [sum(a == b for a, b in zip(rs[0]["outputs"], plain_out)), len(plain_out)]
                 rows.append(row)
                 print(f"{drafter:7s} {task:6s} {pol:15s} {row['tokens_per_s']:7.1f} tok/s  "
                       f"accepted {row['mean_accepted']:.2f}", flush=True)
@@ -382,6 +386,10 @@ def markdown(rows: list[dict]) -> str:
         lines.append("")
         lines.append("Signal ablation (same records, costs and policy, bins on draft entropy instead): EntMTP / "
                      "EntMTP-entropy " + ", ".join(f"{d} {t} {x:.2f}x" for d, t, x in ablation) + ".")
+    checked = [r["equal_to_plain"] for r in rows if r.get("equal_to_plain") and r["policy"] != "plain"]
+    if checked:
+        lines.append(f"Outputs equal to plain decoding's: {sum(e for e, _ in checked)} of "
+                     f"{sum(n for _, n in checked)} (policy, segment) runs.")
     lines.append("")
     lines.append(goals_line(rows))
     lines.append(plain_line(rows))

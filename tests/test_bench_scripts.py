@@ -46,6 +46,11 @@ def test_table_ratios_goals_and_ablation(policies_bench):
     assert "entmtp-predictor: >= 1.10x static-best in 1 of 1 task cells" in goals
     assert "hydra code 1.11x" in md  # the signal ablation line
     assert "EntMTP's signal per cell: hydra code draft_margin, hydra mixed draft_margin." in md
+    assert "Outputs equal to plain" not in md   # rows without the check say nothing
+    for r in data:
+        r["equal_to_plain"] = [3, 3] if r["policy"] != "eagle2" else [2, 3]
+    md = policies_bench.markdown(data)
+    assert "Outputs equal to plain decoding's: 43 of 45 (policy, segment) runs." in md
 
 
 def test_signal_study_finds_the_informative_signal():
