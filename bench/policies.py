@@ -277,6 +277,9 @@ def main(argv=None) -> int:
                             self.inner = OraclePolicy(ts, [by_prompt.get(seg_index[(k, self.seg)], [])],
                                                       [len(streams[k][self.seg])])
                         return self.inner(dataclasses.replace(view, index=0))
+
+                    def rests(self, active):  # in hindsight: rest the drafter where chain:0 is best
+                        return self.seg >= 0 and self.inner.rests([0])
                 return StreamOracle()
 
             policies = {

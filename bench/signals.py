@@ -41,11 +41,11 @@ import sys
 from pathlib import Path
 
 from entmtp_sglang.calibrate import PositionRecord, cost_models_of, load_records, pearson, signals_of, simulate
+from entmtp_sglang.policy.controller import RequestInput, StageInput, TreeController
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.acceptance import fit_predictor
 from entmtp_sglang.tree.construct import accepted_on, greedy_tree
-from entmtp_sglang.tree.topology import embedding
-from entmtp_sglang.tree.treeset import TreeEntry, load_tree_set
+from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, load_tree_set
 
 ROOT = Path(__file__).resolve().parent.parent
 TASKS = ("code", "math", "chat", "prose", "json", "json-grammar", "mixed")
@@ -92,22 +92,26 @@ def drafted_probs(tree: Tree, rec: PositionRecord, depth: int) -> list[float | N
     return out
 
 
-def staged_choice(pred, pool: dict, cost, per_depth: float, rec: PositionRecord):
-    """The staged policy on one record: the tree chosen on the depth-1 probabilities, then after each drafted
-    level the prefix of it in the pool with the most expected tokens per second (`TreeController.restage`'s
-    rule, levels drafted for nothing charged at `per_depth`). Returns (tree, the step's seconds)."""
-    d1 = rec.draft_probs[:1]
-    tree = max(pool.values(), key=lambda t: (pred.expected_accepted(t, d1) + 1) / cost(t))
-    depth = 1
-    while depth < tree.max_depth:
-        depth += 1
-        prefixes = [t for t in pool.values() if embedding(t, tree) is not None]
+def staged_choice(pred, pool: dict, cost, per_depth: float):
+    """The staged policy for replay: `TreeController` on the pool (costs from `cost`, drafting levels at
+    `per_depth`, no hysteresis or feedback) chooses on the depth-1 probabilities, then `restage`s after each
+    drafted level with what the record tells of the drafted nodes. Returns record -> (tree, the step's seconds)."""
+    entries = tuple(TreeEntry(t, (0.0,), {1: cost(t)}) for t in pool.values())
+    model = {"step_cost_model": {"1": {"per_depth": per_depth}}}
+    ts = TreeSet("replay", "eagle", "replay", "draft_margin", (), entries, provenance=model)
+    controller = TreeController(ts, hysteresis=0.0, feedback=False, predictor=pred, max_rest=0)
 
-        def value(t):
-            spent = per_depth * max(0, depth - max(t.max_depth, 1))
-            return (pred.expected_accepted(t, d1, drafted_probs(t, rec, depth)) + 1) / (cost(t) + spent)
-        tree = max(prefixes, key=lambda t: (value(t), t.parents == tree.parents))
-    return tree, cost(tree) + per_depth * max(0, depth - max(tree.max_depth, 1))
+    def choose(rec: PositionRecord):
+        d1 = tuple(rec.draft_probs[:1][0]) if rec.draft_probs else ()
+        idx = controller.choose([RequestInput("r", 0.0, d1)], group="r")
+        depth = 1
+        while depth < ts.trees[idx].tree.max_depth:
+            depth += 1
+            drafted = tuple(drafted_probs(ts.trees[idx].tree, rec, depth))
+            idx, _ = controller.restage(idx, [StageInput("r", d1, drafted)], depth)
+        tree = ts.trees[idx].tree
+        return tree, cost(tree) + per_depth * max(0, depth - max(tree.max_depth, 1))
+    return choose
 
 
 def fold_policy(values: list[float], train: list[int], records, bins: int, pool, depth, max_rank, cost):
@@ -156,7 +160,7 @@ def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 
                 predicted = [pred.expected_accepted(chain, view(r)) for r in sub]
                 ratios.setdefault(f"corr {name}", []).append(pearson(predicted, [float(r.chain_accepted) for r in sub]))
             ratios.setdefault("staged", []).append(
-                replay(sub, lambda rec: staged_choice(pred, pool, cost, per_depth, rec), cost) / static_best)
+                replay(sub, staged_choice(pred, pool, cost, per_depth), cost) / static_best)
         for name, values in sig.items():
             for bins in BINS:
                 pol = fold_policy(values, train, records, bins, pool, depth, max_rank, cost)

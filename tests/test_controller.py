@@ -152,3 +152,25 @@ def test_restage_without_a_predictor_keeps_the_tree():
     from entmtp_sglang.policy.controller import StageInput
 
     assert c.restage(2, [StageInput("a", (0.9,), (1.0, 0.0, 0.0, 0.0, 0.0))], 2) == (2, (0, 1, 2, 3, 4))
+
+
+def test_backing_off_rests_the_drafter_1_2_4_steps_until_a_tree_pays_again():
+    c = TreeController(_set(), hysteresis=0.0, max_rest=4)
+    assert not c.rests(["a"])                      # nothing chosen yet: draft
+    pattern = []
+    for _ in range(4):
+        assert c.choose([RequestInput("a", 0.1)], group="a") == 0
+        n = 0
+        while c.rests(["a"]):
+            n += 1
+        pattern.append(n)
+    assert pattern == [1, 2, 4, 4]
+    assert c.choose([RequestInput("a", 0.9)], group="a") == 2   # predictable again: speculate, no rest
+    assert not c.rests(["a"])
+    assert c.choose([RequestInput("a", 0.1)], group="a") == 0   # a new run of back-offs starts at 1
+    assert c.rests(["a"]) and not c.rests(["a"])
+    c.choose([RequestInput("b", 0.1)], group="b")
+    assert not c.rests(["a", "b"]) and c.rests(["b"])           # a step rests only if every group does
+    assert not TreeController(_set(), max_rest=0).rests(["a"])
+    with pytest.raises(ValueError, match="max_rest"):
+        TreeController(_set(), max_rest=-1)

@@ -192,3 +192,52 @@ def test_staged_decisions_are_lossless_and_cut_trees(random_models, kind):
     policy = entmtp_policy(ts, "entmtp-predictor")
     out = engine.generate(prompts, 24, policy, observer=policy.observe)
     assert [r.output_ids for r in out] == ref
+
+
+class _Schedule:
+    """chain:3, except on steps k with k % 4 in (1, 2): chain:0 (the drafter still runs)."""
+
+    def __init__(self):
+        self.step, self.logits = 0, {}
+
+    def plain_now(self) -> bool:
+        return self.step % 4 in (1, 2)
+
+    def observe(self, state, lens, drafting, active) -> None:
+        self.step += 1
+        self.logits[self.step] = state.root_logits.clone()
+
+    def __call__(self, view: StepView) -> Tree:
+        return Tree.chain(0) if self.plain_now() else Tree.chain(3)
+
+
+class _RestingSchedule(_Schedule):
+    """The same steps, but the chain:0 ones rest the drafter (the engine's `rests` hook)."""
+
+    def rests(self, active) -> bool:
+        self.step += 1
+        return self.plain_now()
+
+    def observe(self, state, lens, drafting, active) -> None:
+        self.logits[self.step] = state.root_logits.clone()
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+def test_resting_the_drafter_is_lossless_and_catches_its_cache_up(random_models, kind):
+    """Steps that skip the drafter decode plainly; afterwards the drafter sees exactly what it would have seen
+    had it run on every step (EAGLE's draft cache takes the skipped tokens in one pass)."""
+    target, drafters = random_models
+    prompts = _prompts(4, seed=5)
+    ref = [generate_plain(target, p, 30) for p in prompts]
+    engine = Engine(target, kind, drafters[kind])
+    runs = {}
+    for chooser in (_RestingSchedule(), _Schedule()):
+        out = engine.generate(prompts, 30, chooser, observer=chooser.observe)
+        assert [r.output_ids for r in out] == ref
+        runs[type(chooser)] = (chooser.logits, out)
+    (with_rest, out_rest), (without, out_plain) = runs[_RestingSchedule], runs[_Schedule]
+    assert sum(s.rested for r in out_rest for s in r.steps) > 0
+    assert not any(s.rested for r in out_plain for s in r.steps)
+    assert set(with_rest) <= set(without) and len(with_rest) > 3
+    for k, logits in with_rest.items():
+        torch.testing.assert_close(logits, without[k], rtol=1e-4, atol=1e-4)

@@ -469,3 +469,19 @@ def test_every_shipped_tree_set_loads_with_its_records():
         records = load_records(path.with_suffix(".records.jsonl"))
         assert ts.signal in signals_of(records, 8), path.name
         assert ts.signal in ts.provenance.get("signal_correlations", {ts.signal: 0}), path.name
+
+
+def test_the_oracle_rests_the_drafter_exactly_where_chain0_is_best_in_hindsight():
+    from entmtp_sglang.policy.policies import OraclePolicy
+
+    entries = (TreeEntry(Tree.chain(0), (0.0,), {1: 1.0}), TreeEntry(Tree.chain(2), (1.0,), {1: 1.5}))
+    ts = TreeSet("m", "eagle", "t", "draft_margin", (), entries)
+    # output positions 0..5: the depth-1 draft is rank 0 (accepted) at 0 and 3 only
+    ranks = [[[0, 0], [5, 5], [5, 5], [0, 5], [5, 5], [5, 5]]]
+    oracle = OraclePolicy(ts, ranks, [4])
+    assert not oracle.rests([0])                                   # nothing known before the first step
+    assert oracle(StepView(0, 1.0, (), 1, 4)).name == "chain:2"    # root at 0: accepts 2, next root at 3
+    assert not oracle.rests([0])                                   # at 3, chain:2 pays (1 accepted)
+    assert oracle(StepView(0, 1.0, (), 1, 7)).name == "chain:2"    # next root at 5
+    assert oracle.rests([0])                                       # at 5: chain:0, rest; next at 6
+    assert oracle.rests([0])                                       # past the known continuation: plain

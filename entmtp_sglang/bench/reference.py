@@ -64,6 +64,20 @@ class TimedChooser:
         self.inner = inner
         self.seconds = [0.0] * batch
         self.depths: list[list[int]] = [[] for _ in range(batch)]
+        if hasattr(inner, "rests"):  # the engine looks the hooks up on the chooser it is given
+            self.rests = self._rests
+        if getattr(inner, "staged", False):
+            self.staged, self.restage = True, inner.restage
+
+    def _rests(self, active: list[int]) -> bool:
+        t0 = time.perf_counter()
+        rest = self.inner.rests(active)
+        dt = (time.perf_counter() - t0) / max(1, len(active))
+        for i in active:
+            self.seconds[i] += dt
+            if rest:
+                self.depths[i].append(0)
+        return rest
 
     def observe(self, *args) -> None:
         """The engine's per-step observer, forwarded to a batch-aware chooser; its time is policy time."""

@@ -7,6 +7,9 @@ One decode step for a batch, each request with its own tree:
     verify  : one target pass over all tree nodes with the tree attention mask
     accept  : greedy (longest path matching the target's argmax) or recursive rejection sampling
     commit  : move the accepted nodes' KV into place (compaction); root <- the target's next token
+
+A chooser with a `rests(active)` hook may skip the drafter for a step (every active request decodes plainly,
+chain:0); EAGLE's draft cache then catches up on the skipped tokens in one pass before it drafts again.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ class StepRecord:
     draft_entropy: float  # the drafter's entropy for the first drafted position
     seconds: float  # wall time of the whole batch step
     draft_margin: float = 0.0  # the drafter's top-1 minus top-2 probability there
+    rested: bool = False  # a plain step the policy took without running the drafter (draft values are 0)
 
 
 @dataclass
@@ -169,6 +173,22 @@ def static_chooser(tree: Tree) -> TreeChooser:
     return lambda view: tree
 
 
+def _merge_commits(parts: list[tuple]) -> tuple:
+    """Several steps' draft-cache commits (path tokens (B, T), path features (B, T, d), counts (B,)), in
+    order, as one: each row's entries packed one after another."""
+    counts = sum(c for _, _, c in parts)
+    b, width = counts.shape[0], max(1, int(counts.max()))
+    tokens = torch.zeros((b, width), dtype=torch.int64)
+    feats = torch.zeros((b, width, parts[0][1].shape[-1]), dtype=parts[0][1].dtype)
+    fill = [0] * b
+    for t, f, c in parts:
+        for i, k in enumerate(c.tolist()):
+            tokens[i, fill[i]: fill[i] + k] = t[i, :k]
+            feats[i, fill[i]: fill[i] + k] = f[i, :k]
+            fill[i] += k
+    return tokens, feats, counts
+
+
 class Engine:
     def __init__(self, target: LlamaForCausalLM, drafter_kind: str, drafter: torch.nn.Module,
                  eos_token_id: int | None = None):
@@ -244,9 +264,19 @@ class Engine:
         active = [not dead and not self._finished(r, max_new_tokens, g)
                   for r, g, dead in zip(results, grammars, stuck)]
         feats = last
+        rests = getattr(chooser, "rests", None)
+        deferred = []  # EAGLE draft-cache commits of the steps that rested the drafter
 
         while any(active):
             t0 = time.perf_counter()
+            if rests is not None and rests([i for i, a in enumerate(active) if a]):
+                feats, roots, commit = self._plain_step(feats, roots, lens, cache, sampling, gen, grammars,
+                                                        active, results, max_new_tokens, t0)
+                deferred.append(commit)
+                continue
+            if deferred and self.drafter_kind == "eagle":
+                drafting.commit(*_merge_commits(deferred))
+            deferred = []
             state, legal = self._begin_step(drafting, feats, roots, grammars, active, grammar_drafting)
             if observer is not None:  # after the grammar mask: it sees what the choosers' views carry
                 observer(state, lens, drafting, active)
@@ -261,6 +291,21 @@ class Engine:
             self._record(results, views, names, trees, accepted, logits, grammars, active,
                          max_new_tokens, time.perf_counter() - t0)
         return results
+
+    def _plain_step(self, feats, roots, lens, cache, sampling, gen, grammars, active, results, max_new_tokens, t0):
+        """A step that rests the drafter: every request verifies its root alone (chain:0). Returns the next
+        features and roots, and the draft-cache commit to apply before the drafter runs again."""
+        b = len(results)
+        chain0 = Tree.chain(0)
+        trees = [chain0] * b
+        state = DraftState(feats, roots, None)
+        accepted, hidden, logits = self._verify(roots.view(b, 1).clone(), trees, lens, cache, sampling, gen,
+                                                grammars, active)
+        feats, roots, commit = self._commit(accepted, hidden, lens, cache, state, active)
+        views = [StepView(i, 0.0, (), sum(active), int(lens[i])) for i in range(b)]
+        self._record(results, views, [chain0.name] * b, trees, accepted, logits, grammars, active,
+                     max_new_tokens, time.perf_counter() - t0, rested=True)
+        return feats, roots, commit
 
     # -- one decode step, in order ----------------------------------------------------------------
     def _begin_step(self, drafting, feats, roots, grammars, active, grammar_drafting):
@@ -295,7 +340,8 @@ class Engine:
             trees.append(tree)
         return views, trees
 
-    def _record(self, results, views, names, trees, accepted, logits, grammars, active, max_new_tokens, seconds):
+    def _record(self, results, views, names, trees, accepted, logits, grammars, active, max_new_tokens, seconds,
+                rested: bool = False):
         """Append each active request's accepted tokens (cut at max_new_tokens and eos), advance its
         grammar, log the step (under the chosen tree's name; its nodes as verified), and update `active`."""
         for i, r in enumerate(results):
@@ -313,7 +359,7 @@ class Engine:
                 grammars[i].advance(new)
             v = views[i]
             r.steps.append(StepRecord(names[i], trees[i].num_nodes, acc.num_accepted, ent,
-                                      v.draft_entropy, seconds, v.draft_margin))
+                                      v.draft_entropy, seconds, v.draft_margin, rested))
             r.output_ids.extend(new)
             active[i] = not self._finished(r, max_new_tokens, grammars[i])
 

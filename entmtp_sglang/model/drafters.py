@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .llama import DecoderLayer, KVCache, LlamaShape, RMSNorm, Rotary
+from .llama import DecoderLayer, KVCache, LlamaShape, RMSNorm, Rotary, output_layer
 
 
 class DraftVocabHead(nn.Module):
@@ -44,7 +44,7 @@ class DraftVocabHead(nn.Module):
         """Logits over the draft vocabulary only: (..., Vd)."""
         if self.weight is None:
             raise RuntimeError("the drafter's output layer is shared with the target: call share_target first")
-        return F.linear(x, self.weight.to(x.dtype))
+        return output_layer(x, self.weight.to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         small = self.draft_logits(x)

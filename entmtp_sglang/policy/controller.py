@@ -15,6 +15,9 @@ stateful lives here once:
 * hysteresis: the group's current tree is kept unless another is expected to be `hysteresis` faster;
 * pins: when every request of the batch names the same tree of the set (`pin`), that tree;
 * room: no tree with more nodes than the least room any request has before its context limit;
+* rest: after choosing chain:0 the group may decode plainly for a few steps without running the drafter at
+  all (`rests`), 1, 2, 4, ... up to `max_rest` steps as the back-offs run on, since a step that runs the
+  drafter only to decide not to speculate costs more than a plain one;
 * staged decisions (`restage`), for drafters that draft level by level (Hydra, EAGLE): once the drafter has
   run on the chosen tree's first levels, each node drafted so far has its own draft probability, and the
   controller re-chooses among the set's trees that are prefixes of the chosen one (`tree.embedding`), so a
@@ -33,6 +36,7 @@ from ..tree.treeset import TreeSet
 from .selector import acceptance_scale, binned_expected, predicted_expected, select_by_expected
 
 HYSTERESIS = 0.02  # keep the current tree unless another is expected to be this much faster
+MAX_REST = 4  # the longest run of plain steps without the drafter after a back-off to chain:0
 
 
 class UnknownTreeError(ValueError):
@@ -74,14 +78,19 @@ class TreeController:
     feedback: bool = True
     predictor: AcceptancePredictor | None = None
     max_nodes: int | None = None
+    max_rest: int = MAX_REST
     requests: dict = field(default_factory=dict)   # key -> _Feedback
     current: dict = field(default_factory=dict)    # group -> index of its current tree
+    backoffs: dict = field(default_factory=dict)   # group -> consecutive choices of chain:0
+    resting: dict = field(default_factory=dict)    # group -> plain steps left without the drafter
 
     def __post_init__(self):
         if self.hysteresis < 0:
             raise ValueError(f"hysteresis must be >= 0, got {self.hysteresis}")
         if self.max_nodes is not None and self.max_nodes < 1:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
+        if self.max_rest < 0:
+            raise ValueError(f"max_rest must be >= 0, got {self.max_rest}")
         self._index = {t.tree.name: i for i, t in enumerate(self.tree_set.trees)}
         self._prefixes: dict[int, list] = {}
 
@@ -136,7 +145,24 @@ class TreeController:
                                      self.current.get(group), self.hysteresis, max_nodes=cap)
             self.current[group] = idx
         self._set_pending(requests, expected, idx)
+        self._schedule_rest(group, trees[idx].tree.max_depth == 0)
         return idx
+
+    def _schedule_rest(self, group: Hashable, backed_off: bool) -> None:
+        """After the group's choice: a back-off to chain:0 rests the drafter 1, 2, 4, ... (at most `max_rest`)
+        steps as consecutive back-offs run on; a speculating choice ends the run."""
+        run = self.backoffs.get(group, 0) + 1 if backed_off else 0
+        self.backoffs[group] = run
+        self.resting[group] = min(self.max_rest, 2 ** (run - 1)) if run else 0
+
+    def rests(self, groups: Sequence[Hashable]) -> bool:
+        """Whether this step may decode plainly without running the drafter: every group of the step is
+        resting after a back-off to chain:0. Counts the step off their rests when it is."""
+        if not groups or any(self.resting.get(g, 0) <= 0 for g in groups):
+            return False
+        for g in groups:
+            self.resting[g] -= 1
+        return True
 
     def prefixes(self, idx: int) -> list[tuple[int, tuple[int, ...]]]:
         """(index, image) of every tree of the set that is a prefix of tree `idx` (itself and chain:0
@@ -161,41 +187,26 @@ class TreeController:
         if self.predictor is None or not requests:
             return idx, whole
         rows = rows or len(requests)
-        per_depth = self._per_depth(rows)
+        per_depth = self.tree_set.per_depth(rows)
         scales = [self.scale(r.key) for r in requests]
-        best, best_value, kept_value = idx, -math.inf, -math.inf
+        best, best_value, kept_value, best_expected = idx, -math.inf, -math.inf, []
         for i, image in self.prefixes(idx):
             tree = self.tree_set.trees[i].tree
-            tokens = 0.0
-            for r, s in zip(requests, scales):
-                e = self.predictor.expected_accepted(tree, [r.probs], [r.drafted[m] for m in image])
-                tokens += min(s * e, tree.max_depth) + 1.0
+            expected = [self.predictor.expected_accepted(tree, [r.probs], [r.drafted[m] for m in image])
+                        for r in requests]
+            tokens = sum(min(s * e, tree.max_depth) + 1.0 for e, s in zip(expected, scales))
             spent = per_depth * max(0, drafted_depth - max(tree.max_depth, 1))  # levels drafted for nothing
             value = tokens / (self.tree_set.trees[i].cost(rows) + spent)
             if i == idx:
                 kept_value = value
             if value > best_value:
-                best, best_value = i, value
-        if kept_value * (1 + self.hysteresis) >= best_value:
-            best = idx
-        if best != idx:
-            image = dict(self.prefixes(idx))[best]
-            for r in requests:
-                st = self.requests.setdefault(r.key, _Feedback())
-                tree = self.tree_set.trees[best].tree
-                st.pending = (self.predictor.expected_accepted(tree, [r.probs], [r.drafted[m] for m in image])
-                              if tree.max_depth > 0 else None)
-            return best, image
-        return idx, whole
-
-    def _per_depth(self, rows: int) -> float:
-        """Seconds of one drafting level at this row count, from the set's step-cost model (0 if none)."""
-        model = self.tree_set.provenance.get("step_cost_model") if isinstance(self.tree_set.provenance, dict) else None
-        if not model:
-            return 0.0
-        sizes = {int(b): m for b, m in model.items()}
-        near = min(sizes, key=lambda b: abs(math.log(b) - math.log(max(1, rows))))
-        return max(0.0, float(sizes[near].get("per_depth", 0.0)))
+                best, best_value, best_expected = i, value, expected
+        if best == idx or kept_value * (1 + self.hysteresis) >= best_value:
+            return idx, whole
+        speculates = self.tree_set.trees[best].tree.max_depth > 0
+        for r, e in zip(requests, best_expected):
+            self.requests.setdefault(r.key, _Feedback()).pending = e if speculates else None
+        return best, dict(self.prefixes(idx))[best]
 
     def _set_pending(self, requests, expected, idx) -> None:
         for k, r in enumerate(requests):
@@ -217,7 +228,8 @@ class TreeController:
     def forget(self, key: Hashable) -> None:
         """A finished request: drop its feedback and its current tree."""
         self.requests.pop(key, None)
-        self.current.pop(key, None)
+        for state in (self.current, self.backoffs, self.resting):
+            state.pop(key, None)
 
     def keep_only(self, live) -> None:
         """Forget every request not in `live` (a server's sweep of finished requests)."""

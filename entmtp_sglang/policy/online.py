@@ -26,7 +26,7 @@ from ..tree.acceptance import AcceptancePredictor, fit_predictor
 from ..tree.generic import TYPICAL_ROOT, prior_cost, prior_predictor
 from ..tree.records import PositionRecord
 from ..tree.topology import Tree
-from ..tree.treeset import TreeEntry, TreeSet
+from ..tree.treeset import TreeEntry, TreeSet, nearest_batch
 
 MIN_KNOWN = 40          # observations of a depth before its fitted map replaces the prior
 RECENT = 32             # step times kept per tree shape and batch bucket
@@ -70,7 +70,7 @@ def known_counts(records: Sequence[PositionRecord], depth: int) -> list[int]:
 
 
 def bucket(batch_size: int) -> int:
-    return min(BUCKETS, key=lambda b: abs(math.log(b) - math.log(max(1, batch_size))))
+    return nearest_batch(BUCKETS, batch_size)
 
 
 def fit_costs(trees: Sequence[Tree], measured: dict[tuple[int, int], tuple[float, int]],

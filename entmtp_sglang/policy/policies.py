@@ -19,7 +19,7 @@ from ..tree import Tree
 from ..tree.acceptance import AcceptancePredictor
 from ..tree.construct import accepted_on
 from ..tree.treeset import TreeSet
-from .controller import HYSTERESIS, RequestInput, StageInput, TreeController
+from .controller import HYSTERESIS, MAX_REST, RequestInput, StageInput, TreeController
 from .signals import draft_signal, signal_value
 
 # SGLang 0.5.23 DEFAULT_ADAPTIVE_CONFIG and AdaptiveSpecParams defaults
@@ -44,6 +44,10 @@ class StaticPolicy:
     def __call__(self, view: StepView) -> Tree:
         return self.tree
 
+    def rests(self, active: list[int]) -> bool:
+        """chain:0 never needs the drafter (the engine's `rests` hook)."""
+        return self.tree.max_depth == 0
+
 
 class EntMTPPolicy:
     """EntMTP in the reference engine: the engine's step views -> `controller.TreeController`, which holds
@@ -61,18 +65,20 @@ class EntMTPPolicy:
     calls on the same policy continue the same streams (the acceptance feedback carries over)."""
 
     def __init__(self, tree_set: TreeSet, window: int = 8, hysteresis: float = HYSTERESIS,
-                 feedback: bool = True, predictor: AcceptancePredictor | None = None, staged: bool = False):
+                 feedback: bool = True, predictor: AcceptancePredictor | None = None, staged: bool = False,
+                 max_rest: int = MAX_REST):
         if staged and predictor is None:
             raise ValueError("staged decisions need the per-node acceptance predictor")
         self.staged = staged  # the engine calls `restage` after each drafted level
         self.tree_set = tree_set
         self.window = window
-        self.controller = TreeController(tree_set, hysteresis, feedback, predictor)
+        self.controller = TreeController(tree_set, hysteresis, feedback, predictor, max_rest=max_rest)
         self._seen: dict[int, int] = {}  # request -> steps of its current segment already recorded
         self._history: dict[int, tuple] = {}  # request -> its step records at its last call
         self._observed: list[float] | None = None  # this step's draft value per batch row (batch mode)
         self._observed_probs: list[list[float]] | None = None  # this step's depth-1 top-k probabilities
         self._active: list[int] = []
+        self._batched = False  # the engine's observer is connected: a batch chooses one tree together
         self._rows: int | None = None  # rows the engine computes this step (finished requests included)
         self._step_choice: int | None = None
         # request -> this step's (tree index, depth-1 draft probabilities, its nodes in the tree drafted, the
@@ -87,6 +93,7 @@ class EntMTPPolicy:
     def observe(self, state, lens, drafting, active) -> None:
         """The engine's observer: every request's drafter distribution, before any tree is chosen."""
         self._active = [i for i, a in enumerate(active) if a]
+        self._batched = True
         self._rows = len(active)
         batch = len(self._active) > 1
         self._observed = draft_signal(self.tree_set.signal, state.root_logits).tolist() if batch else None
@@ -96,6 +103,13 @@ class EntMTPPolicy:
 
     def scale(self, index: int) -> float:
         return self.controller.scale(index)
+
+    def rests(self, active: list[int]) -> bool:
+        """The engine's hook before a step: True when every active request (or the batch choosing together)
+        is resting after a back-off to chain:0 (`TreeController.rests`), so the step decodes plainly without
+        running the drafter."""
+        groups = ["batch"] if self._batched and len(active) > 1 else list(active)
+        return self.controller.rests(groups)
 
     def _signal(self, draft: float, history) -> float:
         return signal_value(self.tree_set.signal, draft, history, self.window)
@@ -230,15 +244,32 @@ class OraclePolicy:
         self.prompt_lens = prompt_lens
         self.name = "oracle"
 
-    def __call__(self, view: StepView) -> Tree:
-        pos = view.position - self.prompt_lens[view.index]  # index of the root in the output
-        rows = self.ranks[view.index]
+        self._next: dict[int, int] = {}  # request -> output index of its next step's root (known in hindsight)
+
+    def _best(self, index: int, pos: int, batch_size: int) -> Tree:
+        rows = self.ranks[index]
         if pos >= len(rows):
             return Tree.chain(0)
         r = rows[pos]
-        best = max(self.tree_set.trees,
-                   key=lambda t: (accepted_on(t.tree, r) + 1) / t.cost(view.batch_size))
+        best = max(self.tree_set.trees, key=lambda t: (accepted_on(t.tree, r) + 1) / t.cost(batch_size))
         return best.tree
+
+    def __call__(self, view: StepView) -> Tree:
+        pos = view.position - self.prompt_lens[view.index]  # index of the root in the output
+        tree = self._best(view.index, pos, view.batch_size)
+        rows = self.ranks[view.index]
+        self._next[view.index] = pos + 1 + (accepted_on(tree, rows[pos]) if pos < len(rows) else 0)
+        return tree
+
+    def rests(self, active: list[int]) -> bool:
+        """Rest the drafter on a step where, in hindsight, every request's best tree is chain:0."""
+        if not active or any(i not in self._next for i in active):
+            return False
+        if any(self._best(i, self._next[i], len(active)).max_depth > 0 for i in active):
+            return False
+        for i in active:
+            self._next[i] += 1
+        return True
 
 
 class Eagle2Policy:

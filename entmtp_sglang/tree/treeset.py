@@ -44,11 +44,15 @@ class TreeEntry:
 
     def cost(self, batch_size: int) -> float:
         """Measured step time at the measured batch size nearest to batch_size (log scale)."""
-        best = min(self.cost_seconds, key=lambda b: abs(math.log(b) - math.log(max(1, batch_size))))
-        return self.cost_seconds[best]
+        return self.cost_seconds[nearest_batch(self.cost_seconds, batch_size)]
 
     def tokens_per_second(self, bin_index: int, batch_size: int) -> float:
         return (self.expected_accepted[bin_index] + 1.0) / self.cost(batch_size)
+
+
+def nearest_batch(sizes, batch_size: int) -> int:
+    """The measured batch size nearest to batch_size on a log scale."""
+    return min(sizes, key=lambda b: abs(math.log(b) - math.log(max(1, batch_size))))
 
 
 @dataclass(frozen=True)
@@ -93,6 +97,15 @@ class TreeSet:
     @property
     def max_depth(self) -> int:
         return max(t.tree.max_depth for t in self.trees)
+
+    def per_depth(self, batch_size: int) -> float:
+        """Seconds of one drafting level at the measured batch size nearest to batch_size, from the step-cost
+        model in the set's provenance (0 when it records none)."""
+        model = self.provenance.get("step_cost_model") if isinstance(self.provenance, dict) else None
+        if not isinstance(model, dict) or not model:
+            return 0.0
+        sizes = {int(b): m for b, m in model.items()}
+        return max(0.0, float(sizes[nearest_batch(sizes, batch_size)].get("per_depth", 0.0)))
 
     def bin_of(self, value: float) -> int:
         """The bin of a value of this set's signal (entropy in nats, or a margin)."""
