@@ -146,7 +146,8 @@ def _generate(args) -> int:
     mean_acc = sum(s.accepted for s in steps) / max(1, len(steps))
     print(f"[stats] drafter={args.drafter} tree={tree_name} batch={len(results)} tokens={tokens} "
           f"time={seconds:.2f}s tokens/s={tokens / seconds:.1f} mean_accepted={mean_acc:.2f} "
-          f"tokens_per_target_pass={tokens / len(results) / passes:.2f}")
+          f"tokens_per_target_pass={tokens / len(results) / passes:.2f} "
+          f"steps_without_drafter={sum(s.rested for s in steps)}/{len(steps)}")
     return 0
 
 

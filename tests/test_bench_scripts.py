@@ -53,6 +53,18 @@ def test_table_ratios_goals_and_ablation(policies_bench):
     assert "Outputs equal to plain decoding's: 43 of 45 (policy, segment) runs." in md
 
 
+def test_plain_decoding_stands_as_static_best_where_it_is_faster(policies_bench):
+    """chain:0 is a static tree: where plain decoding beat the measured static trees, the goals and the ratios
+    compare with plain decoding (marked *), not with the slower tree."""
+    data = rows("chat", **{"plain": 100.0, "static-best": 80.0, "entmtp-predictor": 96.0, "oracle": 110.0})
+    md = policies_bench.markdown(data)
+    chat = next(line for line in md.splitlines() if line.startswith("| hydra | chat"))
+    assert "| 100.0* (1.00) |" in chat and "| 0.96x |" in chat and "1.20x" not in chat
+    assert "entmtp-predictor: >= 1.10x static-best in 0 of 1 task cells" in policies_bench.goals_line(data)
+    data = rows("chat", **{"plain": 70.0, "static-best": 80.0, "entmtp-predictor": 96.0})
+    assert "| 80.0 (1.00) |" in policies_bench.markdown(data)   # a faster static tree stays
+
+
 def test_signal_study_finds_the_informative_signal():
     """Acceptance follows the margin exactly and the entropy not at all: binning on the margin recovers
     nearly all of the oracle's edge in replay, binning on the entropy none of it."""
@@ -83,3 +95,20 @@ def test_signal_study_finds_the_informative_signal():
     row = next(line for line in md.splitlines() if line.startswith("| hydra | code | 480 |"))
     assert row.split("|")[-7].strip().startswith("draft_margin/")  # the best scalar signal
     assert row.split("|")[-2].strip() in ("100%", "99%", "98%")  # the predictor's share of the headroom
+
+
+def test_the_stream_oracle_starts_each_segment_on_its_own_ranks(policies_bench, random_models):
+    """A mixed stream's oracle: segment 1 is plain in hindsight (it rests the drafter to the end), segment 2
+    speculates from its first step (a rest left over from segment 1 must not carry into it)."""
+    from entmtp_sglang.engine.engine import Engine
+    from entmtp_sglang.tree import Tree
+    from entmtp_sglang.tree.treeset import TreeEntry, TreeSet
+
+    target, drafters = random_models
+    entries = (TreeEntry(Tree.chain(0), (0.0,), {1: 1.0}), TreeEntry(Tree.chain(2), (1.0,), {1: 1.5}))
+    ts = TreeSet("m", "eagle", "t", "draft_margin", (), entries)
+    segs = [[3, 4, 5], [6, 7, 8, 9]]
+    oracle = policies_bench.StreamOracle(ts, [[[5, 5]] * 20, [[0, 0]] * 20], [len(s) for s in segs])
+    into = policies_bench.run_stream(Engine(target, "eagle", drafters["eagle"]), 0, segs, lambda k: oracle, 10, {})
+    assert oracle.seg == 1
+    assert into["trees_chosen"].get("chain:2", 0) >= 1 and into["trees_chosen"]["chain:0"] >= 1
