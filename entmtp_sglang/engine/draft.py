@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import torch
 
 from ..model.drafters import EagleDraft, HydraHead, MedusaHeads
-from ..model.llama import LlamaForCausalLM, output_layer
+from ..model.linear import linear
+from ..model.llama import LlamaForCausalLM
 from .batch_tree import PaddedTrees, tree_attention_mask
 
 
@@ -161,7 +162,7 @@ class EagleDrafting:
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         if self.draft.head is not None:  # a draft vocabulary: -inf outside it
             return self.draft.head(out)
-        return output_layer(out, self.lm_head)
+        return linear(out, self.lm_head)
 
     def prefill(self, prompt_ids: torch.Tensor, prompt_lens: torch.Tensor, features: torch.Tensor,
                 capacity: int) -> None:

@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .llama import DecoderLayer, KVCache, LlamaShape, RMSNorm, Rotary, output_layer
+from .linear import Linear, linear
+from .llama import DecoderLayer, KVCache, LlamaShape, RMSNorm, Rotary
 
 
 class DraftVocabHead(nn.Module):
@@ -44,7 +45,7 @@ class DraftVocabHead(nn.Module):
         """Logits over the draft vocabulary only: (..., Vd)."""
         if self.weight is None:
             raise RuntimeError("the drafter's output layer is shared with the target: call share_target first")
-        return output_layer(x, self.weight.to(x.dtype))
+        return linear(x, self.weight.to(x.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         small = self.draft_logits(x)
@@ -55,7 +56,7 @@ class DraftVocabHead(nn.Module):
 class ResBlock(nn.Module):
     def __init__(self, dim: int):
         super().__init__()
-        self.linear = nn.Linear(dim, dim)
+        self.linear = Linear(dim, dim)
         nn.init.zeros_(self.linear.weight)
 
     def forward(self, x):
@@ -72,7 +73,7 @@ class MedusaHeads(nn.Module):
         self.num_heads = num_heads
         self.blocks = nn.ModuleList(ResBlock(hidden) for _ in range(num_heads))
         if draft_ids is None:  # own output layers (the bundled model's drafters)
-            self.lm_heads = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(num_heads))
+            self.lm_heads = nn.ModuleList(Linear(hidden, vocab, bias=False) for _ in range(num_heads))
             self.head = None
         else:
             self.head = DraftVocabHead(vocab, draft_ids)
@@ -102,7 +103,7 @@ class HydraHead(nn.Module):
         self.num_heads = num_heads
         width = mlp_width or 2 * hidden
         self.mlps = nn.ModuleList(
-            nn.Sequential(nn.Linear(2 * hidden, width), nn.SiLU(), nn.Linear(width, hidden))
+            nn.Sequential(Linear(2 * hidden, width), nn.SiLU(), Linear(width, hidden))
             for _ in range(num_heads)
         )
         for mlp in self.mlps:
@@ -111,7 +112,7 @@ class HydraHead(nn.Module):
         self.norm = RMSNorm(hidden, eps)
         if draft_ids is None:  # own embedding and output layer (the bundled model's drafter)
             self.embed = nn.Embedding(vocab, hidden)
-            self.lm_head = nn.Linear(hidden, vocab, bias=False)
+            self.lm_head = Linear(hidden, vocab, bias=False)
         else:  # the target's, shared (share_target)
             self.embed = None
             self.lm_head = DraftVocabHead(vocab, draft_ids)
@@ -157,7 +158,7 @@ class EagleDraft(nn.Module):
         # None: logits with the target's full output layer; else the draft vocabulary (SGLang's token map)
         self.head = DraftVocabHead(shape.vocab_size, draft_ids) if draft_ids is not None else None
         self.shares_embedding = draft_ids is not None
-        self.fc = nn.Linear(2 * shape.hidden_size, shape.hidden_size, bias=True)
+        self.fc = Linear(2 * shape.hidden_size, shape.hidden_size, bias=True)
         self.layers = nn.ModuleList([DecoderLayer(shape, input_norm=False)])
         self.rotary = Rotary(shape.head_dim, shape.rope_theta, shape.max_position_embeddings)
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,38 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.tree_attention import ATTENTION_BACKENDS, tree_attention
-
-FAST_HEAD_MIN_OUT = 4096  # output layers at least this wide take oneDNN's linear on CPU (`output_layer`)
-ONEDNN_HEAD = os.environ.get("ENTMTP_ONEDNN_HEAD", "1") != "0"  # ENTMTP_ONEDNN_HEAD=0: F.linear everywhere
-_onednn_weights: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its version, its oneDNN copy)
-
-
-def output_layer(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` for a wide output layer (the LM head, a drafter's vocabulary head).
-
-    On CPU in float32 without autograd it runs through oneDNN's linear on a cached oneDNN copy of the weight:
-    on this project's CPU that is about 2x faster than `F.linear` for SmolLM2's 49k-token head at 1-16 rows
-    (`bench/linear_head.py`), which is most of what a plain decoding step costs beyond the decoder layers.
-    The results differ from `F.linear`'s by float rounding only (about 1e-6). Everything else (other devices
-    and dtypes, training, narrow layers, a torch built without oneDNN) takes `F.linear`. The copy is rebuilt
-    when the weight changes in place. `ENTMTP_ONEDNN_HEAD=0` in the environment (or `ONEDNN_HEAD = False`)
-    turns it off."""
-    if (not ONEDNN_HEAD or x.device.type != "cpu" or x.dtype != torch.float32 or weight.dtype != torch.float32
-            or weight.shape[0] < FAST_HEAD_MIN_OUT or torch.is_grad_enabled() or x.numel() == 0
-            or not torch.backends.mkldnn.is_available()):
-        return F.linear(x, weight)
-    key = id(weight)
-    cached = _onednn_weights.get(key)
-    if cached is None or cached[0]() is not weight or cached[1] != weight._version:
-        dense = weight.detach().contiguous()
-        cached = (weakref.ref(weight), weight._version, dense.to_mkldnn(),
-                  torch.zeros(weight.shape[0]).to_mkldnn())
-        _onednn_weights[key] = cached
-        for k in [k for k, c in _onednn_weights.items() if c[0]() is None]:
-            del _onednn_weights[k]
-    flat = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch._C._nn.mkldnn_linear(flat.to_mkldnn(), cached[2], cached[3]).to_dense()
-    return out.view(*x.shape[:-1], weight.shape[0])
+from .linear import Linear, linear
 
 
 @dataclass(frozen=True)
@@ -186,10 +153,10 @@ class Attention(nn.Module):
         self.n_heads = shape.num_attention_heads
         self.n_kv = shape.num_key_value_heads
         self.head_dim = hd
-        self.q_proj = nn.Linear(shape.hidden_size, self.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(shape.hidden_size, self.n_kv * hd, bias=False)
-        self.v_proj = nn.Linear(shape.hidden_size, self.n_kv * hd, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * hd, shape.hidden_size, bias=False)
+        self.q_proj = Linear(shape.hidden_size, self.n_heads * hd, bias=False)
+        self.k_proj = Linear(shape.hidden_size, self.n_kv * hd, bias=False)
+        self.v_proj = Linear(shape.hidden_size, self.n_kv * hd, bias=False)
+        self.o_proj = Linear(self.n_heads * hd, shape.hidden_size, bias=False)
 
     def forward(self, x, positions, rotary, mask, cache: KVCache | None, layer: int, start):
         b, t, _ = x.shape
@@ -213,9 +180,9 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, hidden: int, inter: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
+        self.gate_proj = Linear(hidden, inter, bias=False)
+        self.up_proj = Linear(hidden, inter, bias=False)
+        self.down_proj = Linear(inter, hidden, bias=False)
 
     def forward(self, x):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -280,7 +247,7 @@ class LlamaForCausalLM(nn.Module):
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return output_layer(hidden, self.lm_head_weight)
+        return linear(hidden, self.lm_head_weight)
 
     def set_attention_backend(self, backend: str) -> None:
         """Tree attention backend of every layer: "auto" (FlashInfer for CUDA float16/bfloat16 when it

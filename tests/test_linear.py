@@ -1,0 +1,72 @@
+"""`model.linear.linear`: linear layers through oneDNN on a packed weight (CPU, float32, no autograd), checked
+against `F.linear` (its torch reference) on random inputs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from entmtp_sglang.model import linear as L
+
+needs_onednn = pytest.mark.skipif(not L._HAS_ONEDNN, reason="torch without oneDNN takes F.linear")
+
+
+@pytest.mark.parametrize("out_features", [7, 192, 4099])
+@pytest.mark.parametrize("shape", [(1, 64), (2, 64), (3, 5, 64), (16, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_f_linear_within_float32_rounding(shape, out_features, bias):
+    g = torch.Generator().manual_seed(out_features)
+    w = torch.randn(out_features, 64, generator=g)
+    b = torch.randn(out_features, generator=g) if bias else None
+    x = torch.randn(*shape, generator=g)
+    with torch.no_grad():
+        out = L.linear(x, w, b)
+    assert out.shape == (*shape[:-1], out_features)
+    torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    """Batch invariance: the root of a verified tree gets plain decoding's logits bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(576, 192, generator=g)
+    x = torch.randn(16, 192, generator=g)
+    with torch.no_grad():
+        alone = L.linear(x[:1], w)
+        for rows in (2, 3, 4, 8, 16):
+            assert torch.equal(L.linear(x[:rows], w)[:1], alone), rows
+        noncontiguous = L.linear(x.t().contiguous().t()[:3], w)
+        assert torch.equal(noncontiguous[:1], alone)
+
+
+def test_follows_in_place_weight_updates_and_keeps_autograd():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(300, 32, generator=g)
+    x = torch.randn(2, 32, generator=g)
+    with torch.no_grad():
+        L.linear(x, w)
+        w.mul_(-2.0)  # the cached packed copy must not be reused
+        torch.testing.assert_close(L.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+    xg = x.clone().requires_grad_(True)
+    L.linear(xg, w).sum().backward()  # with autograd on it is F.linear itself
+    torch.testing.assert_close(xg.grad, w.sum(0).expand(2, -1), rtol=1e-4, atol=1e-3)
+
+
+def test_other_dtypes_and_the_switch_take_f_linear(monkeypatch):
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        wd = torch.randn(100, 16, dtype=torch.float64)
+        assert torch.equal(L.linear(x.double(), wd), F.linear(x.double(), wd))
+        monkeypatch.setattr(L, "ONEDNN", False)
+        w = torch.randn(100, 16)
+        assert torch.equal(L.linear(x, w), F.linear(x, w))
+
+
+def test_the_module_keeps_nn_linears_parameters_and_state_dict_names():
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(24, 40)
+    mod = L.Linear(24, 40)
+    mod.load_state_dict(ref.state_dict())
+    assert list(mod.state_dict()) == ["weight", "bias"]
+    x = torch.randn(5, 24)
+    with torch.no_grad():
+        torch.testing.assert_close(mod(x), ref(x), rtol=1e-5, atol=1e-5)
