@@ -70,3 +70,32 @@ def test_the_module_keeps_nn_linears_parameters_and_state_dict_names():
     x = torch.randn(5, 24)
     with torch.no_grad():
         torch.testing.assert_close(mod(x), ref(x), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_a_packed_model_copies_pickles_and_follows_load_state_dict():
+    import copy
+    import io
+
+    from entmtp_sglang.model.llama import LlamaForCausalLM, LlamaShape
+
+    shape = LlamaShape(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(shape).eval()
+    ids = torch.tensor([[1, 5, 9, 3]])
+    with torch.no_grad():
+        before = model.logits(model(ids))
+        twin = copy.deepcopy(model)
+        buf = io.BytesIO()
+        torch.save(model, buf)
+        buf.seek(0)
+        loaded = torch.load(buf, weights_only=False)
+        for m in (twin, loaded):
+            assert torch.equal(m.logits(m(ids)), before)
+        other = LlamaForCausalLM(shape).eval()
+        model.load_state_dict(other.state_dict())  # in place: the packed copies must follow
+        after = model.logits(model(ids))
+    reference = other.logits(other(ids))  # autograd on: F.linear
+    torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(after, before)

@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch import nn
 
 ONEDNN = os.environ.get("ENTMTP_ONEDNN", os.environ.get("ENTMTP_ONEDNN_HEAD", "1")) != "0"
-_packed: dict[int, tuple] = {}  # id(weight) -> (weakref to it, its version, its packed copy)
 
 
 def _available() -> bool:
@@ -36,33 +35,69 @@ def _available() -> bool:
 _HAS_ONEDNN = _available()
 
 
-def _packed_weight(weight: torch.Tensor) -> torch.Tensor:
-    key = id(weight)
-    cached = _packed.get(key)
-    if cached is None or cached[0]() is not weight or cached[1] != weight._version:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-        cached = (weakref.ref(weight), weight._version, packed)
-        _packed[key] = cached
-        for k in [k for k, c in _packed.items() if c[0]() is None]:
-            del _packed[k]
-    return cached[2]
+def applies(x: torch.Tensor, *weights: torch.Tensor) -> bool:
+    """Whether `x @ weight.T` takes oneDNN's packed path (module docstring)."""
+    return (ONEDNN and _HAS_ONEDNN and x.device.type == "cpu" and x.dtype == torch.float32
+            and not torch.is_grad_enabled() and x.numel() > 0 and all(w.dtype == torch.float32 for w in weights))
+
+
+class PackedWeight:
+    """A packed copy of one weight, or of several stacked along the output dimension (one call computes a
+    layer's q, k and v projections together), rebuilt when any of them changes in place or is replaced."""
+
+    __slots__ = ("_key", "packed")
+
+    def __init__(self):
+        self._key: tuple = ()
+        self.packed: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo) -> "PackedWeight":
+        return PackedWeight()  # a copied module packs its own (copied) weights on first use
+
+    def __reduce__(self):
+        return (PackedWeight, ())  # oneDNN tensors do not pickle; a loaded module packs again
+
+    def get(self, weights: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        key = self._key
+        if (len(key) != len(weights) or any(r() is not w or v != w._version for (r, v), w in zip(key, weights))):
+            dense = weights[0] if len(weights) == 1 else torch.cat(weights)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(dense.detach().contiguous(), None)
+            self._key = tuple((weakref.ref(w), w._version) for w in weights)
+        return self.packed
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ W.T + bias` for the packed weight W (call only where `applies`)."""
+    flat = x.reshape(-1, x.shape[-1])
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+_free: dict[int, PackedWeight] = {}  # id(weight) -> its packed copy, for weights that no Linear module owns
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)`, through oneDNN on a packed weight where that applies (module docstring)."""
-    if (not ONEDNN or not _HAS_ONEDNN or x.device.type != "cpu" or x.dtype != torch.float32
-            or weight.dtype != torch.float32 or (bias is not None and bias.dtype != torch.float32)
-            or torch.is_grad_enabled() or x.numel() == 0):
+    if not applies(x, weight) or (bias is not None and bias.dtype != torch.float32):
         return F.linear(x, weight, bias)
-    flat = x.reshape(-1, x.shape[-1])
-    if not flat.is_contiguous():
-        flat = flat.contiguous()
-    out = torch.ops.mkldnn._linear_pointwise(flat, _packed_weight(weight), bias, "none", [], "")
-    return out.view(*x.shape[:-1], weight.shape[0])
+    cache = _free.get(id(weight))
+    if cache is None:
+        cache = _free[id(weight)] = PackedWeight()
+        for k in [k for k, c in _free.items() if c._key and c._key[0][0]() is None]:
+            del _free[k]
+    return packed_linear(x, cache.get((weight,)), bias)
 
 
 class Linear(nn.Linear):
     """`nn.Linear` (same parameters, same state-dict names) whose forward is `linear`."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._packed = PackedWeight()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+        if applies(x, self.weight) and (self.bias is None or self.bias.dtype == torch.float32):
+            return packed_linear(x, self._packed.get((self.weight,)), self.bias)
+        return F.linear(x, self.weight, self.bias)

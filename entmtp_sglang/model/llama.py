@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.tree_attention import ATTENTION_BACKENDS, tree_attention
-from .linear import Linear, linear
+from .linear import Linear, PackedWeight, applies, linear, packed_linear
 
 
 @dataclass(frozen=True)
@@ -157,12 +157,18 @@ class Attention(nn.Module):
         self.k_proj = Linear(shape.hidden_size, self.n_kv * hd, bias=False)
         self.v_proj = Linear(shape.hidden_size, self.n_kv * hd, bias=False)
         self.o_proj = Linear(self.n_heads * hd, shape.hidden_size, bias=False)
+        self._qkv = PackedWeight()
 
     def forward(self, x, positions, rotary, mask, cache: KVCache | None, layer: int, start):
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        if applies(x, *weights):  # one oneDNN call for the three projections
+            q, k, v = packed_linear(x, self._qkv.get(weights)).split([w.shape[0] for w in weights], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = rotary(q, positions), rotary(k, positions)
         if cache is not None:
             cache.write(layer, start, k, v)
@@ -183,9 +189,15 @@ class MLP(nn.Module):
         self.gate_proj = Linear(hidden, inter, bias=False)
         self.up_proj = Linear(hidden, inter, bias=False)
         self.down_proj = Linear(inter, hidden, bias=False)
+        self._gate_up = PackedWeight()
 
     def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        weights = (self.gate_proj.weight, self.up_proj.weight)
+        if applies(x, *weights):  # one oneDNN call for both
+            gate, up = packed_linear(x, self._gate_up.get(weights)).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
