@@ -3,14 +3,18 @@
 On this project's CPU (2 cores, AVX2) `F.linear` costs almost twice as much for 2 rows as for 1 and three times
 as much for 3, so a decoding step that verifies a small tree paid for every drafted node in every layer.
 oneDNN's linear on a weight packed once (`torch.ops.mkldnn._linear_pointwise`) costs about the same for 1-3
-rows as `F.linear` does for one, half as much at 4-8, and halves SmolLM2's 49k-token output layer
-(`bench/linear_head.py`). It is also batch-invariant: a row's result does not depend on how many rows share
-the call, so the root of a verified tree gets bit for bit the logits plain decoding gets.
+rows as for one, 1.2-1.9x less than `F.linear` at 2-8 rows of the decoder's projections, and 2.5-6x less for
+SmolLM2's 49k-token output layer (`bench/linear_head.py`); a verification step with 1-4 drafts costs 1.4-1.9x
+less, plain decoding 1.2x. For one row of a small projection alone the call is slower (a fixed ~0.05 ms).
+It is also batch-invariant: a row's result does not depend on how many rows share the call, so the linear
+layers give the root of a verified tree bit for bit what they give plain decoding.
 
 `linear(x, weight, bias)` takes that path on CPU, in float32, without autograd, when torch has oneDNN; it
 takes `F.linear` everywhere else (other devices and dtypes, training). Results differ from `F.linear`'s by
-float rounding only. The packed copy (as large as the weight) is cached per weight and rebuilt when the weight
-changes in place. `ENTMTP_ONEDNN=0` in the environment (or `ONEDNN = False` here) turns it off.
+float rounding only. The packed copy (as large as the weight) is cached with its module (`Linear`; the Llama
+layers stack q, k, v and gate, up into one `PackedWeight` each), or per weight for a bare tensor (`linear`), and
+rebuilt when a weight changes in place or is replaced. `ENTMTP_ONEDNN=0` in the environment (or `ONEDNN = False`
+here) turns it off.
 """
 
 from __future__ import annotations
