@@ -82,26 +82,27 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 _free: dict[int, PackedWeight] = {}  # id(weight) -> its packed copy, for weights that no Linear module owns
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)`, through oneDNN on a packed weight where that applies (module docstring)."""
-    if not applies(x, weight) or (bias is not None and bias.dtype != torch.float32):
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           cache: PackedWeight | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)`, through oneDNN on a packed weight where that applies (module docstring).
+    `cache` holds the packed copy (a `Linear` passes its own); without one it is kept per weight."""
+    if not applies(x, weight, *(() if bias is None else (bias,))):
         return F.linear(x, weight, bias)
-    cache = _free.get(id(weight))
     if cache is None:
-        cache = _free[id(weight)] = PackedWeight()
-        for k in [k for k, c in _free.items() if c._key and c._key[0][0]() is None]:
-            del _free[k]
+        cache = _free.get(id(weight))
+        if cache is None:
+            cache = _free[id(weight)] = PackedWeight()
+            for k in [k for k, c in _free.items() if c._key and c._key[0][0]() is None]:
+                del _free[k]
     return packed_linear(x, cache.get((weight,)), bias)
 
 
 class Linear(nn.Linear):
-    """`nn.Linear` (same parameters, same state-dict names) whose forward is `linear`."""
+    """`nn.Linear` (same parameters, same state-dict names) whose forward is `linear`, packed copy kept here."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._packed = PackedWeight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if applies(x, self.weight) and (self.bias is None or self.bias.dtype == torch.float32):
-            return packed_linear(x, self._packed.get((self.weight,)), self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self._packed)
