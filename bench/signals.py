@@ -28,6 +28,11 @@ the drafted nodes' own probabilities (the `entmtp-staged` policy; the records te
 where its parent is on the true continuation, the predictor's table stands in elsewhere; levels drafted
 for nothing are charged at the set's per-depth cost). `corr` columns: the Pearson correlation of the
 predicted with the accepted length of the deepest chain.
+
+Two bounds sit between the policies and the oracle: the best tree per exact value (fitted on the other
+half) of the sibling rank the target takes at depth 1 (`knows depth-1 rank`), or of the deepest chain's
+accepted length (`knows chain length`, a perfect scalar signal). No policy knows either before verifying;
+they say how much a better predictor of that one quantity could gain.
 """
 
 from __future__ import annotations
@@ -126,6 +131,24 @@ def fold_policy(values: list[float], train: list[int], records, bins: int, pool,
     return lambda rec: trees[bisect.bisect_right(edges, value_of[(rec.prompt, rec.pos)])]
 
 
+def group_policy(key, train: list[int], records, pool, depth, max_rank, cost):
+    """A bound, not a policy one can run: per exact value of `key(record)` (something a policy cannot know
+    before verifying) the best tree on `train`; returns record -> Tree."""
+    groups: dict = {}
+    for i in train:
+        groups.setdefault(key(records[i]), []).append(records[i].ranks)
+    fallback = best_tree([records[i].ranks for i in train], pool, depth, max_rank, cost)
+    trees = {k: best_tree(g, pool, depth, max_rank, cost) for k, g in groups.items()}
+    return lambda rec: trees.get(key(rec), fallback)
+
+
+# Bounds: what a policy would gain if it knew, before drafting, ...
+KNOWS = {
+    "knows depth-1 rank": lambda rec: min(rec.ranks[0], 6) if rec.ranks else -1,  # which sibling depth 1 takes
+    "knows chain length": lambda rec: rec.chain_accepted,  # the accepted length of the deepest chain
+}
+
+
 def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 6, per_depth: float = 0.0) -> dict:
     depth = max(len(r.ranks) for r in records)
     sig = signals_of(records, window)
@@ -146,6 +169,9 @@ def study(records: list[PositionRecord], cost, window: int = 8, max_rank: int = 
         oracle = replay(sub, lambda rec: max(pool.values(), key=lambda t: (accepted_on(t, rec.ranks) + 1) / cost(t)),
                         cost)
         ratios.setdefault("oracle", []).append(oracle / static_best)
+        for name, key in KNOWS.items():
+            bound = group_policy(key, train, records, pool, depth, max_rank, cost)
+            ratios.setdefault(name, []).append(replay(sub, bound, cost) / static_best)
         one = fold_policy([0.0] * len(records), train, records, 1, pool, depth, max_rank, cost)
         ratios.setdefault("one bin", []).append(replay(sub, one, cost) / static_best)
         if all(r.draft_probs for r in records):
@@ -173,8 +199,9 @@ def markdown(results: dict) -> str:
     signals = ("draft_entropy", "draft_margin", "target_window", "target_ema")
     lines = ["| drafter | task | positions | corr: " + " | ".join(signals) + " | oracle | one bin | "
              + " | ".join(f"{s}/4" for s in signals) + " | best scalar | predictor | predictor-d1 | staged | "
-             "corr: predictor / d1 | predictor's share of the oracle's headroom |",
-             "|---|---|---|" + "---|" * (2 * len(signals) + 8)]
+             "corr: predictor / d1 | predictor's share of the oracle's headroom | bound: knows depth-1 rank | "
+             "bound: knows chain length |",
+             "|---|---|---|" + "---|" * (2 * len(signals) + 10)]
     for key, r in results.items():
         d, t = key.split("/", 1)
         v = r["vs_static_best"]
@@ -190,13 +217,15 @@ def markdown(results: dict) -> str:
                      + " | ".join(f"{v[f'{s}/4']:.2f}x" if f"{s}/4" in v else "-" for s in signals)
                      + f" | {best} {per[best]:.2f}x | {pred('predictor')} | {pred('predictor-d1')} | "
                      f"{pred('staged')} | {corr} "
-                     f"| {share} |")
+                     f"| {share} | {pred('knows depth-1 rank')} | {pred('knows chain length')} |")
     lines += ["", "corr: Pearson correlation with the accepted chain length. Other columns: cross-validated replay "
               "tokens/s relative to static-best in hindsight (see the script's docstring); `/4` = 4 quantile "
               "bins; best scalar = the best signal and bin count (2, 4 or 8); predictor: the per-node "
               "acceptance predictor with every depth's draft probabilities, predictor-d1 with the depth-1 "
               "distribution only (its corr: predicted vs accepted length of the deepest chain); staged: "
-              "predictor-d1's choice re-chosen among its prefixes after each drafted level."]
+              "predictor-d1's choice re-chosen among its prefixes after each drafted level. Bounds (no policy can "
+              "know these before verifying): the best tree per exact value, on the other half, of the rank the "
+              "target takes among the depth-1 drafts, or of the deepest chain's accepted length."]
     means = {}
     for r in results.values():
         for k, x in r["vs_static_best"].items():

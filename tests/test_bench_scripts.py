@@ -91,10 +91,34 @@ def test_signal_study_finds_the_informative_signal():
     assert v["predictor"] > 0.97 * v["oracle"] and v["predictor-d1"] > 0.97 * v["oracle"]
     assert v["staged"] > 0.97 * v["oracle"]
     assert v["corr predictor"] > 0.8
+    # the bounds: here the depth-1 rank and the chain length each tell the whole step
+    assert v["knows depth-1 rank"] > 0.97 * v["oracle"] and v["knows chain length"] > 0.97 * v["oracle"]
     md = signals.markdown({"hydra/code": out})
     row = next(line for line in md.splitlines() if line.startswith("| hydra | code | 480 |"))
-    assert row.split("|")[-7].strip().startswith("draft_margin/")  # the best scalar signal
-    assert row.split("|")[-2].strip() in ("100%", "99%", "98%")  # the predictor's share of the headroom
+    assert row.split("|")[-9].strip().startswith("draft_margin/")  # the best scalar signal
+    assert row.split("|")[-4].strip() in ("100%", "99%", "98%")  # the predictor's share of the headroom
+    assert row.split("|")[-3].strip() == f"{v['knows depth-1 rank']:.2f}x"
+
+
+def test_the_bounds_know_only_their_own_quantity():
+    """Acceptance is decided at depth 2 (the depth-1 draft is always taken): knowing the depth-1 rank gains
+    nothing over the best static tree, knowing the chain length gains the oracle's edge."""
+    import random
+
+    from entmtp_sglang.calibrate import PositionRecord, StepCostModel
+
+    signals = load_script("signals")
+    rng = random.Random(1)
+    recs = []
+    for prompt in range(8):
+        for pos in range(60):
+            ranks = (0, 0, 0) if rng.random() > 0.5 else (0, 4, 4)
+            probs = tuple((0.5, 0.25, 0.01) for _ in range(3))
+            recs.append(PositionRecord(prompt, pos, 1.0, 1.0, ranks, 0.25, probs))
+    v = signals.study(recs, StepCostModel(0.01, 0.001, 0.004))["vs_static_best"]
+    assert v["oracle"] > 1.1
+    assert v["knows depth-1 rank"] < 1.01
+    assert v["knows chain length"] > 0.97 * v["oracle"]
 
 
 def test_the_stream_oracle_starts_each_segment_on_its_own_ranks(policies_bench, random_models):
