@@ -71,16 +71,20 @@ trees: $(STAMP)
 	    $(BIN)/entmtp calibrate --drafter $$d --task code,math,chat,prose,json,mixed --prompts 32 --max-new-tokens 96 && \
 	    $(BIN)/entmtp calibrate --drafter $$d --task json --grammar --prompts 32 --max-new-tokens 96 || exit 1; done
 
-# Drafters for SmolLM2, self-distilled on its own responses (about 50 minutes on 2 cores; never in CI):
-# data (resumable shards in runs/smollm2b/gen), training (resumable checkpoint), then the model card.
+# Drafters for SmolLM2, self-distilled on its own responses (about 80 minutes on 2 cores; never in CI):
+# two data runs (resumable shards in runs/smollm2{b,c}/gen; the second asks none of the first's prompts),
+# training (resumable checkpoint), then the model card.
 # The shipped drafters also read 9 shards of an earlier, interrupted seed-0 data run (runs/smollm2):
 # add it to --data when it exists (see the model card).
 drafters: $(STAMP)
 	$(BIN)/python -m entmtp_sglang.training.distill_data --model smollm2 --work runs/smollm2b --seed 1 \
 	    --prompts 1300 --batch-size 32 --max-new-tokens 112 --max-prompt-tokens 256 --threads 2 \
 	    2>&1 | tee -a runs/smollm2b-data.log
-	$(BIN)/python -m entmtp_sglang.training.distill_train --model smollm2 --work runs/smollm2-train \
-	    --data $$(ls -d runs/smollm2 runs/smollm2b 2>/dev/null) --steps 900 --threads 2 \
+	$(BIN)/python -m entmtp_sglang.training.distill_data --model smollm2 --work runs/smollm2c --seed 2 \
+	    --prompts 1700 --batch-size 32 --max-new-tokens 112 --max-prompt-tokens 256 --threads 2 \
+	    --exclude $$(ls -d runs/smollm2 runs/smollm2b 2>/dev/null) 2>&1 | tee -a runs/smollm2c-data.log
+	$(BIN)/python -m entmtp_sglang.training.distill_train --model smollm2 --work runs/smollm2-train3 \
+	    --data $$(ls -d runs/smollm2 runs/smollm2b runs/smollm2c 2>/dev/null) --steps 1400 --threads 2 \
 	    --out entmtp_sglang/models/smollm2-135m-instruct 2>&1 | tee -a runs/smollm2-train.log
 	$(BIN)/entmtp model prepare smollm2
 	$(BIN)/python -m entmtp_sglang.training.model_card --model smollm2 --prompts 6 --max-new-tokens 64
