@@ -5,9 +5,12 @@
 Per depth, a logistic regression of "the target accepts the rank-r candidate, given its parent" on: the
 candidate's draft probability and its depth's top-1 probability (where known: every depth for `logit-full`,
 the first only for `logit-d1`), the depth-1 top-1 probability, margin and entropy, the target-entropy window
-and the rank; fitted on positions whose true path stayed within the top 3 candidates. Compared in the same
-two-fold cross-validated replay as bench/signals.py (tokens/s relative to static-best in hindsight) with the
-isotonic predictor of tree/acceptance.py (`iso-full`, `iso-d1`). Prints one line per tree set and the mean.
+and the rank; fitted on positions whose true path stayed within the top 3 candidates. `logit-full+hist` adds
+the acceptance history: how often the drafter's top-1 matched the target's token over the previous 8 positions
+and at the last one (known at run time: a drafter's depth-1 guess exists at every accepted position). Compared
+in the same two-fold cross-validated replay as bench/signals.py (tokens/s relative to static-best in hindsight)
+with the isotonic predictor of tree/acceptance.py (`iso-full`, `iso-d1`). Prints one line per tree set and the
+mean.
 """
 
 from __future__ import annotations
@@ -31,18 +34,33 @@ _spec = importlib.util.spec_from_file_location("bench_signals", HERE / "signals.
 signals = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(signals)
 MAX_RANK = 6
+HISTORY = 8
 
 
-def features(rec, window: float, depth: int, rank: int, full: bool) -> list[float]:
+def hit_history(records) -> dict[tuple[int, int], tuple[float, float]]:
+    """Per (prompt, position): the drafter's depth-1 top-1 hit rate over the previous HISTORY positions and
+    whether it hit at the previous one (0.5 where there is none yet)."""
+    out, hits = {}, {}
+    for r in records:
+        past = hits.setdefault(r.prompt, [])
+        recent = past[-HISTORY:]
+        out[(r.prompt, r.pos)] = (statistics.fmean(recent), recent[-1]) if recent else (0.5, 0.5)
+        past.append(1.0 if r.ranks and r.ranks[0] == 0 else 0.0)
+    return out
+
+
+def features(rec, window: float, depth: int, rank: int, full: bool, history=None) -> list[float]:
     p1 = rec.draft_probs[0]
     f = [1.0, math.log(p1[0] + 1e-4), rec.draft_margin, rec.draft_entropy, window, float(rank == 0), float(rank == 1)]
+    if history is not None:
+        f += list(history[(rec.prompt, rec.pos)])
     if full or depth == 0:
         pd = rec.draft_probs[depth]
         return f + [math.log(pd[rank] + 1e-4), math.log(pd[0] + 1e-4)]
     return f + [0.0, 0.0]
 
 
-def fit_head(train, windows, depth: int, full: bool):
+def fit_head(train, windows, depth: int, full: bool, history=None):
     """Per depth: (weights, feature means, feature scales) of an L2-regularised logistic regression."""
     heads = []
     for d in range(depth):
@@ -50,7 +68,7 @@ def fit_head(train, windows, depth: int, full: bool):
         for rec, w in zip(train, windows):
             if all(x < 3 for x in rec.ranks[:d]):
                 for r in range(MAX_RANK):
-                    xs.append(features(rec, w, d, r, full))
+                    xs.append(features(rec, w, d, r, full, history))
                     ys.append(1.0 if rec.ranks[d] == r else 0.0)
         x, y = torch.tensor(xs), torch.tensor(ys)
         mu, sd = x.mean(0), x.std(0).clamp(min=1e-6)
@@ -71,7 +89,7 @@ def fit_head(train, windows, depth: int, full: bool):
     return heads
 
 
-def head_expected(heads, tree: Tree, rec, window: float, full: bool) -> float:
+def head_expected(heads, tree: Tree, rec, window: float, full: bool, history=None) -> float:
     """Sum over the tree's nodes of the product of the head's acceptance along the path."""
     prob = [1.0] * tree.num_nodes
     q: dict[tuple[int, int], float] = {}
@@ -82,7 +100,7 @@ def head_expected(heads, tree: Tree, rec, window: float, full: bool) -> float:
             continue
         if (d, r) not in q:
             weights, mu, sd = heads[d]
-            x = (torch.tensor(features(rec, window, d, r, full)) - mu) / sd
+            x = (torch.tensor(features(rec, window, d, r, full, history)) - mu) / sd
             q[(d, r)] = float(torch.sigmoid(x @ weights))
         prob[n] = prob[tree.parents[n]] * q[(d, r)]
     return sum(prob) - 1.0
@@ -93,6 +111,7 @@ def study(path: Path) -> dict[str, float]:
     cost = cost_models_of(ts)[1]
     records = load_records(path.with_suffix(".records.jsonl"))
     window = dict(zip(((r.prompt, r.pos) for r in records), signals_of(records, 8)["target_window"]))
+    history = hit_history(records)
     depth = max(len(r.ranks) for r in records)
     prompts = sorted({r.prompt for r in records})
     fold_of = {p: k % 2 for k, p in enumerate(prompts)}
@@ -110,13 +129,13 @@ def study(path: Path) -> dict[str, float]:
             choose = lambda rec, view=view: max(  # noqa: E731
                 pool.values(), key=lambda t: (iso.expected_accepted(t, view(rec)) + 1) / cost(t))
             ratios.setdefault(name, []).append(signals.replay(test, choose, cost) / static_best)
-        for full in (True, False):
-            heads = fit_head(train, [window[(r.prompt, r.pos)] for r in train], depth, full)
-            choose = lambda rec, heads=heads, full=full: max(  # noqa: E731
+        for name, full, hist in (("logit-full", True, None), ("logit-d1", False, None),
+                                 ("logit-full+hist", True, history)):
+            heads = fit_head(train, [window[(r.prompt, r.pos)] for r in train], depth, full, hist)
+            choose = lambda rec, heads=heads, full=full, hist=hist: max(  # noqa: E731
                 pool.values(),
-                key=lambda t: (head_expected(heads, t, rec, window[(rec.prompt, rec.pos)], full) + 1) / cost(t))
-            ratios.setdefault(f"logit-{'full' if full else 'd1'}", []).append(
-                signals.replay(test, choose, cost) / static_best)
+                key=lambda t: (head_expected(heads, t, rec, window[(rec.prompt, rec.pos)], full, hist) + 1) / cost(t))
+            ratios.setdefault(name, []).append(signals.replay(test, choose, cost) / static_best)
     return {k: round(statistics.fmean(v), 3) for k, v in ratios.items()}
 
 
