@@ -136,3 +136,13 @@ def test_the_stream_oracle_starts_each_segment_on_its_own_ranks(policies_bench, 
     into = policies_bench.run_stream(Engine(target, "eagle", drafters["eagle"]), 0, segs, lambda k: oracle, 10, {})
     assert oracle.seg == 1
     assert into["trees_chosen"].get("chain:2", 0) >= 1 and into["trees_chosen"]["chain:0"] >= 1
+
+
+def test_the_backoff_benchmark_serves_a_set_of_chain0_alone(tmp_path):
+    from entmtp_sglang.tree.treeset import load_tree_set
+    backoff = load_script("sglang_backoff")
+    shipped = ROOT / "trees" / "smollm2-135m-instruct-eagle-mixed.json"
+    ts = load_tree_set(backoff.chain0_only(shipped, tmp_path / "chain0.json"))
+    assert [t.tree.name for t in ts.trees] == ["chain:0"]
+    assert ts.trees[0].cost_seconds == load_tree_set(shipped).trees[0].cost_seconds
+    assert ts.predictor is None
