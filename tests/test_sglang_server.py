@@ -172,12 +172,14 @@ def exact_plain(tmp_path_factory):
 
 
 @pytest.mark.parametrize("penalty", [{"frequency_penalty": 0.8}, {"presence_penalty": 0.8},
-                                     {"repetition_penalty": 1.3}, {"min_new_tokens": 24}],
-                         ids=["frequency", "presence", "repetition", "min-new-tokens"])
+                                     {"repetition_penalty": 1.3}, {"min_new_tokens": 24},
+                                     {"frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.1}],
+                         ids=["frequency", "presence", "repetition", "min-new-tokens", "all-three"])
 def test_penalised_greedy_requests_equal_plain_decoding(servers, exact_plain, penalty):
     """Found by an outside test: SGLang applies penalties relaxed under speculation (5 of 6 settings differed).
-    ENTMTP decodes such requests one token per step, which equals plain decoding with exact penalties
-    (`exact_plain`: the overlap scheduler's one-token penalty lag is SGLang's, not speculation's)."""
+    ENTMTP decodes such requests one token per step without the drafter (resting), which equals plain decoding
+    with exact penalties (`exact_plain`: the overlap scheduler's one-token penalty lag is SGLang's, not
+    speculation's)."""
     _, ent = servers
     for p in prompts(1)[:4]:
         want = exact_plain.generate(p, MAX_NEW, **penalty)
@@ -185,9 +187,9 @@ def test_penalised_greedy_requests_equal_plain_decoding(servers, exact_plain, pe
         assert got["output_ids"] == want["output_ids"], (penalty, p[:60])
         trees = got["meta_info"]["entmtp_trees"]
         if "min_new_tokens" in penalty:   # plain until the minimum is reached, then free to speculate
-            assert trees[:penalty["min_new_tokens"] - 1] == ["plain"] * (penalty["min_new_tokens"] - 1), trees
+            assert trees[:penalty["min_new_tokens"] - 1] == ["rest"] * (penalty["min_new_tokens"] - 1), trees
         else:
-            assert trees and set(trees) == {"plain"}, trees
+            assert trees and set(trees) == {"rest"}, trees
 
 
 def test_near_the_context_limit_entmtp_serves_what_eagle_serves(servers):

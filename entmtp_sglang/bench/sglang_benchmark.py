@@ -191,8 +191,8 @@ def spec_counts(out: dict, spec: SystemSpec, tree_nodes: dict[str, int] | None =
         return SpecCounts(steps, 0, steps, {}, [])
     if spec.speculative == "ENTMTP":  # its own per-step record (empty when the prefill already finished it)
         nodes = tree_nodes or {}
-        known = all(t == "plain" or t in nodes for t in trees)
-        verified = sum(1 if t == "plain" else nodes[t] for t in trees) if known else None
+        known = all(t in ("plain", "rest") or t in nodes for t in trees)
+        verified = sum(1 if t in ("plain", "rest") else nodes[t] for t in trees) if known else None
         accepted = int(m["spec_num_correct_drafts"]) if "spec_num_correct_drafts" in m else sum(per_step)
         return SpecCounts(len(trees), accepted, verified, dict(collections.Counter(trees)), per_step)
     accepted = int(m.get("spec_num_correct_drafts") or 0)

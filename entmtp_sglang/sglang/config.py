@@ -31,6 +31,7 @@ ENV_POLICY = "ENTMTP_POLICY"
 ENV_FORCE = "ENTMTP_FORCE_TREE_SET"     # "1": serve a tree set calibrated for another model
 ENV_RECORD = "ENTMTP_RECORD"           # a file: one JSON line per verified step (calibration through SGLang)
 ENV_ONLINE = "ENTMTP_ONLINE_CALIBRATION"  # "1": refit a calibrated set's predictor and costs as it serves
+ENV_PROFILE = "ENTMTP_PROFILE"         # a file: seconds per stage of every decode step (profile.py)
 ENV_TREE_TRACE = "ENTMTP_TREE_TRACE"   # a directory: each rank appends its tree per decode step (debugging)
 PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
 SERVER_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor")

@@ -18,9 +18,11 @@ _DONE = False
 # Functions we wrap with SGLang's HookRegistry, with the parameters we rely on. Checked at load.
 DRAFT_BACKEND_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
 OUTPUT_STREAMER = "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class"
+PENALTIES = "sglang.srt.sampling.penaltylib.orchestrator.BatchedPenalizerOrchestrator.apply"
 HOOKED = {
     DRAFT_BACKEND_FACTORY: ("self", "backend_name", "backend_map", "error_template", "stamps_children"),
     OUTPUT_STREAMER: ("self",),
+    PENALTIES: ("self", "logits", "repeat"),
 }
 
 
@@ -59,6 +61,20 @@ def _draft_backend_around(original, self, backend_name, backend_map, error_templ
     return original(self, backend_name, backend_map, error_template, stamps_children)
 
 
+def _penalties_in_one_order(original, self, logits, repeat=None):
+    """Plain decoding applies penalties in the order SGLang's other paths do: additive ones, then scaling.
+
+    SGLang 0.5.23 builds the penalizers from a set of classes (`sampling_batch_info.py`,
+    `SamplingBatchInfo.from_schedule_batch`: `penalizers={...}`; `orchestrator.py`: one dict entry per set
+    member), so a non-overlapped plain decode step applies frequency, presence and repetition penalties in an
+    order that changes from process to process, while the overlap scheduler (`update_penalties`) and
+    speculative verification (`eagle_sample`, `apply(..., repeat=n)`) add the additive ones first and scale
+    last. A repetition penalty does not commute with the additive ones, so two plain servers could disagree,
+    and a resting ENTMTP step (plain decoding) could differ from a plain server. With `repeat=1` every path
+    applies the same arithmetic. Installed in every SGLang process that loads the plugin, plain servers too."""
+    return original(self, logits, 1 if repeat is None else repeat)
+
+
 def _register_attention() -> None:
     from sglang.srt.arg_groups import choices
     from sglang.srt.layers.attention import attention_registry
@@ -78,6 +94,7 @@ def _register_attention() -> None:
         check_signature(dotted, params)
     HookRegistry.register(DRAFT_BACKEND_FACTORY, _draft_backend_around, HookType.AROUND)
     HookRegistry.register(OUTPUT_STREAMER, output_streamer_hook, HookType.AFTER)
+    HookRegistry.register(PENALTIES, _penalties_in_one_order, HookType.AROUND)
     from . import admission, observe, sampling
 
     for module in (admission, observe, sampling):

@@ -38,7 +38,7 @@ from ..policy.signals import draft_signal, least_predictable
 from ..tree.acceptance import AcceptancePredictor
 from . import grammar_draft, observe, visibility
 from .attention import MultiStepDraftBackend
-from .config import ENV_TREE_TRACE, EntMtpConfig, pin_of
+from .config import ENV_PROFILE, ENV_TREE_TRACE, EntMtpConfig, pin_of
 from .recording import StepObserver
 from .sglang_api import (
     EAGLEWorkerV2,
@@ -53,8 +53,11 @@ from .tree_plan import plan_tree
 logger = logging.getLogger("entmtp_sglang.sglang")
 
 
-class _PlainStep(Exception):
-    """This step decodes without speculation, by rule (not an error)."""
+class _Rest(Exception):
+    """This step decodes without speculation and without the drafter, by rule (not an error)."""
+
+
+MAX_PENDING = 16   # rested positions a request may owe the drafter before a catch-up runs regardless
 
 
 def needs_plain_decoding(reqs) -> bool:
@@ -124,6 +127,13 @@ class EntMtpWorker(EAGLEWorkerV2):
                 return out
 
             dw.draft_runner.forward = capture
+            # resting: a step that rests skips the draft model's extend pass; the positions it verified are
+            # owed to the drafter (`_pending`) and caught up in one extend pass when speculation resumes
+            self._extend_for_decode = dw._draft_extend_for_decode
+            dw._draft_extend_for_decode = self._draft_extend_or_rest
+        self._resting = False
+        self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rid -> [(token, hidden)]
+        self.profiler = _profiler(self)
 
     @property
     def hot_token_id(self) -> torch.Tensor | None:
@@ -143,14 +153,23 @@ class EntMtpWorker(EAGLEWorkerV2):
     # -- per step -----------------------------------------------------------------------------------
     def forward_batch_generation(self, batch, *args, **kwargs):
         decode = not (batch.forward_mode.is_extend() or batch.is_extend_in_batch)
+        prof = self.profiler if decode and not batch.forward_mode.is_idle() else None
+        if prof is not None:
+            prof.begin_step()
         if decode and not batch.forward_mode.is_idle() and self._draft_worker is not None:
-            self._choose(batch)
+            if prof is not None:
+                with prof.timed("choose"):
+                    self._choose(batch)
+            else:
+                self._choose(batch)
         self._last_extend = None
         start = time.perf_counter()
         out = super().forward_batch_generation(batch, *args, **kwargs)
         if decode and self.observer is not None and not batch.forward_mode.is_idle():
             self._observe(batch, time.perf_counter() - start)
         self._record_signals(batch)
+        if prof is not None:
+            prof.end_step(tree=self._plan.tree.name if self._plan is not None else "chain:0", bs=len(batch.reqs))
         return out
 
     def _observe(self, batch, seconds: float) -> None:
@@ -170,9 +189,16 @@ class EntMtpWorker(EAGLEWorkerV2):
     def _choose(self, batch) -> None:
         reqs = batch.reqs
         plan, h = None, float("nan")
+        self._resting = False
         try:
-            if needs_plain_decoding(reqs):   # penalties: one token per step keeps them exact
-                raise _PlainStep
+            plain = needs_plain_decoding(reqs)   # penalties: one token per step keeps them exact
+            owed = max((len(self._pending.get(r.rid, ())) for r in reqs), default=0)
+            if owed and owed < MAX_PENDING and (plain or self.controller.rests(["batch"])):
+                raise _Rest
+            if owed:
+                self._catch_up(batch)
+            if plain:
+                raise _Rest
             self._grammar_signals(batch, reqs)
             unknown = least_predictable(self.signal)
             probe = self.observer.probe_tree(self.steps) if self.observer is not None else None
@@ -183,13 +209,16 @@ class EntMtpWorker(EAGLEWorkerV2):
             idx = self.controller.choose(inputs, len(reqs))
             if idx is not None:
                 plan = self.plans[idx]
-        except _PlainStep:
-            pass
+            if plan is None or plan.num_steps == 0:   # chain:0 or no room: this step rests the drafter
+                self._resting = True
+        except _Rest:
+            self._resting = True
         except Exception:   # the policy must never fail a request: decode plainly this step
             logger.exception("ENTMTP: tree choice failed; this step decodes without speculation")
+            self._pending.clear()
         self._plan = plan
         self._chosen = self._index_by_name.get(plan.tree.name if plan is not None else "chain:0")
-        name = plan.tree.name if plan is not None else "plain"
+        name = plan.tree.name if plan is not None else ("rest" if self._resting else "plain")
         n, steps = (plan.num_nodes, plan.num_steps) if plan is not None else (1, 0)
         self.histogram[name] += 1
         self.steps += 1
@@ -214,6 +243,85 @@ class EntMtpWorker(EAGLEWorkerV2):
             self.last_log = time.monotonic()
             logger.info("ENTMTP trees chosen over %d steps: %s (last batch mean %s %.2f)", self.steps,
                         ", ".join(f"{k}={v}" for k, v in self.histogram.most_common()), self.signal, h)
+
+    # -- resting ------------------------------------------------------------------------------------
+    def _draft_extend_or_rest(self, batch, batch_result, **kwargs):
+        """Replaces EagleDraftWorker._draft_extend_for_decode: on a resting step the draft model does not run;
+        each request owes it the position just verified (the token the target chose there and the target's
+        hidden state), caught up by `_catch_up`."""
+        if not self._resting:
+            return self._extend_for_decode(batch, batch_result, **kwargs)
+        tokens = batch_result.next_token_ids
+        hidden = batch_result.logits_output.hidden_states
+        if tokens is not None and hidden is not None and tokens.shape[0] == len(batch.reqs) == hidden.shape[0]:
+            tokens, hidden = tokens.clone(), hidden.clone()   # a graph's output buffers are reused next step
+            for i, r in enumerate(batch.reqs):
+                self._pending.setdefault(r.rid, []).append((tokens[i], hidden[i]))
+        else:   # an unexpected layout: nothing to catch up from, so the drafter starts cold (still lossless)
+            for r in batch.reqs:
+                self._pending.pop(r.rid, None)
+        self._stub_skipped_draft_extend(batch, batch_result)
+
+    def _catch_up(self, batch) -> None:
+        """One draft-extend pass over every position the batch's requests rested through: writes their draft
+        KV and leaves the next root's top-k, hidden state and signal in `batch.spec_info`, as the draft extend
+        of a speculative step would. Request i owes k_i positions ending just before its current length; the
+        pass is R = max k_i wide, and a shorter row's padding writes to SGLang's dummy KV slot 0, past the
+        row's real positions (causal attention keeps them out of the real ones)."""
+        dw = self._draft_worker
+        reqs = batch.reqs
+        owed = [self._pending.pop(r.rid, []) for r in reqs]
+        width = max(len(o) for o in owed)
+        bs, dev = len(reqs), batch.seq_lens.device
+        hidden0 = next(o for o in owed if o)[0][1]
+        tokens = torch.zeros(bs, width, dtype=torch.int64, device=dev)
+        hidden = hidden0.new_zeros((bs, width, hidden0.shape[-1]))
+        k = torch.tensor([len(o) for o in owed], dtype=torch.long)
+        for i, o in enumerate(owed):
+            if o:
+                tokens[i, : len(o)] = torch.stack([t for t, _ in o]).to(tokens)
+                hidden[i, : len(o)] = torch.stack([h for _, h in o])
+        k_dev = k.to(dev)
+        start = batch.seq_lens.long() - k_dev                    # the first owed position of each request
+        pos = start[:, None] + torch.arange(width, device=dev)[None, :]
+        r2t = self.req_to_token_pool.req_to_token
+        slots = r2t[batch.req_pool_indices.long()[:, None], pos.clamp(max=r2t.shape[1] - 1)]
+        real = torch.arange(width, device=dev)[None, :] < k_dev[:, None]
+        out_cache_loc = torch.where(real, slots.to(batch.out_cache_loc.dtype), 0).flatten()
+
+        di = batch.spec_info
+        cold = [i for i, o in enumerate(owed) if not o]          # joined since: their root state stays
+        kept = [(di.topk_p, di.topk_index, di.hidden_states)] if cold else []
+        saved_signals = {reqs[i].rid: (self.signals.get(reqs[i].rid), self.probs.get(reqs[i].rid)) for i in cold}
+        fields = ("forward_mode", "spec_info", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "input_ids",
+                  "out_cache_loc", "prefix_lens", "extend_lens", "extend_num_tokens")
+        saved = {f: getattr(batch, f, None) for f in fields}
+        ndt = dw.speculative_num_draft_tokens
+        try:
+            batch.seq_lens = start.to(batch.seq_lens.dtype)
+            if batch.seq_lens_cpu is not None:
+                batch.seq_lens_cpu = batch.seq_lens_cpu - k.to(batch.seq_lens_cpu.dtype)
+                batch.seq_lens_sum = int(batch.seq_lens_cpu.sum())
+            batch.out_cache_loc = out_cache_loc
+            dw.speculative_num_draft_tokens = width
+            result = _CatchUp(accept_lens=k_dev.clamp(min=1).to(torch.int32), next_token_ids=tokens.flatten(),
+                              logits_output=_Hidden(hidden.flatten(0, 1)), next_draft_input=di,
+                              new_seq_lens=batch.seq_lens)
+            self._extend_for_decode(batch, result)
+        finally:
+            dw.speculative_num_draft_tokens = ndt
+            for f, v in saved.items():
+                setattr(batch, f, v)
+        self._record_signals(batch)
+        if cold:
+            idx = torch.tensor(cold, dtype=torch.long, device=dev)
+            (p, t, h), = kept
+            di.topk_p[idx], di.topk_index[idx] = p[idx], t[idx]
+            if h is not None and di.hidden_states is not None:
+                di.hidden_states[idx] = h[idx]
+            for rid, (sig, probs) in saved_signals.items():
+                if sig is not None:
+                    self.signals[rid], self.probs[rid] = sig, probs
 
     def _trace(self, reqs, name: str) -> None:
         """ENTMTP_TREE_TRACE=DIR: one JSON line per decode step in this rank's file, so ranks can be compared."""
@@ -377,6 +485,42 @@ class EntMtpWorker(EAGLEWorkerV2):
                 masked = self._grammar_topk(logits[row, c], g, path[::-1])
                 if masked is not None:
                     top[row, c] = masked.to(top)
+
+
+class _Hidden:
+    """The part of a verify's logits output a draft extend reads."""
+
+    def __init__(self, hidden_states: torch.Tensor):
+        self.hidden_states = hidden_states
+
+
+class _CatchUp:
+    """What `EagleDraftWorker._draft_extend_for_decode` reads of a verify result, for the catch-up pass."""
+
+    prepared_draft_extend_inputs = None
+
+    def __init__(self, accept_lens, next_token_ids, logits_output, next_draft_input, new_seq_lens):
+        self.accept_lens, self.next_token_ids = accept_lens, next_token_ids
+        self.logits_output, self.next_draft_input, self.new_seq_lens = logits_output, next_draft_input, new_seq_lens
+
+
+def _profiler(worker):
+    """ENTMTP_PROFILE=FILE: time the step's stages (profile.py); None when unset."""
+    path = os.environ.get(ENV_PROFILE, "").strip()
+    if not path or worker._draft_worker is None:
+        return None
+    from .profile import StepProfiler
+
+    prof = StepProfiler(path)
+    dw = worker._draft_worker
+    prof.wrap(dw, "draft", "draft")
+    prof.wrap(worker, "verify", "verify")
+    prof.wrap(dw, "_draft_extend_for_decode", "draft_extend")   # SGLang's call (or the rest's stub)
+    prof.wrap(worker, "_catch_up", "catch_up")                   # inside `choose`
+    prof.wrap(worker, "_record_signals", "record")
+    prof.wrap(dw.draft_runner, "forward", "draft_forward")
+    prof.wrap(worker.target_worker.model_runner, "forward", "target_forward")
+    return prof
 
 
 def _trace_path(trace_dir: str | None) -> Path | None:
