@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
 from sglang.srt.runtime_context import get_context, get_parallel, get_spec
 from sglang.srt.speculative import spec_registry
@@ -26,6 +27,6 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["AttentionBackend", "CustomSpecAlgo", "EAGLEWorkerV2", "ForwardContext", "KVWriteLoc",  # noqa: F822 (lazy)
+__all__ = ["AttentionBackend", "CustomSpecAlgo", "EAGLEWorkerV2", "ForwardContext", "ForwardMode", "KVWriteLoc",  # noqa: F822 (lazy)
            "SpeculativeAlgorithm", "forward_context", "get_config", "get_context", "get_parallel", "get_spec",
            "per_step_draft_out_cache_loc", "spec_registry"]

@@ -43,6 +43,7 @@ from .recording import StepObserver
 from .sglang_api import (
     EAGLEWorkerV2,
     ForwardContext,
+    ForwardMode,
     forward_context,
     get_context,
     get_parallel,
@@ -131,6 +132,9 @@ class EntMtpWorker(EAGLEWorkerV2):
             # owed to the drafter (`_pending`) and caught up in one extend pass when speculation resumes
             self._extend_for_decode = dw._draft_extend_for_decode
             dw._draft_extend_for_decode = self._draft_extend_or_rest
+            runner = self.target_worker.model_runner
+            self._target_forward = runner.forward
+            runner.forward = self._target_forward_or_decode
         self._resting = False
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rid -> [(token, hidden)]
         self.profiler = _profiler(self)
@@ -169,7 +173,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             self._observe(batch, time.perf_counter() - start)
         self._record_signals(batch)
         if prof is not None:
-            prof.end_step(tree=self._plan.tree.name if self._plan is not None else "chain:0", bs=len(batch.reqs))
+            prof.end_step(tree="rest" if self._resting else self._plan.tree.name if self._plan is not None
+                          else "plain", bs=len(batch.reqs))
         return out
 
     def _observe(self, batch, seconds: float) -> None:
@@ -262,6 +267,29 @@ class EntMtpWorker(EAGLEWorkerV2):
                 self._pending.pop(r.rid, None)
         self._stub_skipped_draft_extend(batch, batch_result)
 
+    def _target_forward_or_decode(self, forward_batch, *args, **kwargs):
+        """On a resting step the target's one-token verify runs as the plain decode forward it is (SGLang's
+        decode attention and output path, not the tree-verify ones), then the batch reads as a verify again
+        for SGLang's acceptance code. Every other forward is SGLang's own."""
+        spec = forward_batch.spec_info
+        if not (self._resting and forward_batch.forward_mode.is_target_verify()
+                and int(getattr(spec, "draft_token_num", 0) or 0) == 1):
+            return self._target_forward(forward_batch, *args, **kwargs)
+        bs = forward_batch.seq_lens.shape[0]
+        saved = (forward_batch.forward_mode, forward_batch.seq_lens, forward_batch.seq_lens_cpu,
+                 forward_batch.seq_lens_sum)
+        forward_batch.forward_mode = ForwardMode.DECODE
+        forward_batch.seq_lens = forward_batch.seq_lens + 1          # decode lengths count the new token
+        if forward_batch.seq_lens_cpu is not None:
+            forward_batch.seq_lens_cpu = forward_batch.seq_lens_cpu + 1
+        if forward_batch.seq_lens_sum is not None:
+            forward_batch.seq_lens_sum = forward_batch.seq_lens_sum + bs
+        try:
+            return self._target_forward(forward_batch, *args, **kwargs)
+        finally:
+            (forward_batch.forward_mode, forward_batch.seq_lens, forward_batch.seq_lens_cpu,
+             forward_batch.seq_lens_sum) = saved
+
     def _catch_up(self, batch) -> None:
         """One draft-extend pass over every position the batch's requests rested through: writes their draft
         KV and leaves the next root's top-k, hidden state and signal in `batch.spec_info`, as the draft extend
@@ -287,7 +315,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         r2t = self.req_to_token_pool.req_to_token
         slots = r2t[batch.req_pool_indices.long()[:, None], pos.clamp(max=r2t.shape[1] - 1)]
         real = torch.arange(width, device=dev)[None, :] < k_dev[:, None]
-        out_cache_loc = torch.where(real, slots.to(batch.out_cache_loc.dtype), 0).flatten()
+        out_cache_loc = torch.where(real, slots.long(), 0).flatten()    # SGLang's slot indices are int64
 
         di = batch.spec_info
         cold = [i for i, o in enumerate(owed) if not o]          # joined since: their root state stays

@@ -1,0 +1,72 @@
+"""SGLang's float32 linear layers and output layer on CPU through oneDNN on a packed weight (`model/linear.py`).
+
+SGLang 0.5.23 on a CPU without AMX runs every projection as `F.linear` and the output layer as `torch.matmul`.
+On this project's CPU those cost about twice as much for 2 rows as for 1 (the 49k-token output layer four
+times as much for 4 rows), so a verify pass over a small tree paid for each node in every layer, and a
+speculative step could not beat a plain one. oneDNN's packed path costs about the same for 1-6 rows and less
+for one row too (`bench/linear_head.py`). Installed by the plugin in every SGLang process on the CPU engine,
+plain servers included, so that ENTMTP and plain SGLang are compared on the same layers; results differ from
+SGLang's own by float rounding only. `ENTMTP_ONEDNN=0` turns it off (SGLang's own layers everywhere).
+
+Only where SGLang would itself call `F.linear` / `torch.matmul` on float32 CPU tensors: quantized, AMX, LoRA
+and GPU layers keep SGLang's path.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..model.linear import PackedWeight, applies, packed_linear
+
+LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
+LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
+HOOKED = {
+    LINEAR_APPLY: ("self", "layer", "x", "bias"),
+    LM_HEAD: ("self", "hidden_states", "lm_head", "embedding_bias"),
+}
+
+
+def _packed(module) -> PackedWeight:
+    cache = getattr(module, "_entmtp_packed", None)
+    if cache is None:
+        cache = module._entmtp_packed = PackedWeight()
+    return cache
+
+
+def _plain_weight(module) -> bool:
+    """A dense float32 weight SGLang would multiply with `F.linear` (not AMX-packed, not quantized)."""
+    w = getattr(module, "weight", None)
+    return (w is not None and type(w.data) is torch.Tensor
+            and not getattr(module, "use_intel_amx_backend", False))
+
+
+def linear_apply(original, self, layer, x, bias=None):
+    if _plain_weight(layer) and applies(x, layer.weight, *(() if bias is None else (bias,))):
+        return packed_linear(x, _packed(layer).get((layer.weight,)), bias)
+    return original(self, layer, x, bias)
+
+
+def lm_head(original, self, hidden_states, lm_head, embedding_bias=None, **kwargs):
+    plain = (getattr(lm_head, "quant_method", None) is None or type(lm_head.quant_method).__name__
+             in ("UnquantizedEmbeddingMethod", "UnquantizedLinearMethod"))
+    if (plain and embedding_bias is None and kwargs.get("out") is None and _plain_weight(lm_head)
+            and not hasattr(lm_head, "apply_lora") and not getattr(self, "use_fp32_lm_head", False)
+            and getattr(self, "rl_on_policy_target", None) is None and applies(hidden_states, lm_head.weight)):
+        return packed_linear(hidden_states, _packed(lm_head).get((lm_head.weight,)))
+    return original(self, hidden_states, lm_head, embedding_bias, **kwargs)
+
+
+def register_hooks(check_signature) -> None:
+    """Install both hooks (CPU engine only; `ENTMTP_ONEDNN=0` leaves SGLang's layers alone)."""
+    import os
+
+    from ..model import linear as packed
+
+    if not packed.ONEDNN or not packed._HAS_ONEDNN or os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1":
+        return
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for dotted, params in HOOKED.items():
+        check_signature(dotted, params)
+    HookRegistry.register(LINEAR_APPLY, linear_apply, HookType.AROUND)
+    HookRegistry.register(LM_HEAD, lm_head, HookType.AROUND)
