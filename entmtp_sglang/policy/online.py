@@ -181,6 +181,22 @@ class OnlineCalibration:
                                             "online_steps": self.steps})
         return self.tree_set
 
+    def refit_costs(self) -> TreeSet:
+        """The set with only its step costs refitted on the timed steps (its acceptance tables and predictor
+        kept); a batch bucket with no timed step keeps the set's own costs. What a calibrated set is served
+        with by default inside SGLang (`ENTMTP_ONLINE_COSTS`), so that resting versus speculating is decided on
+        what steps cost in this server."""
+        self.refits += 1
+        trees = [e.tree for e in self.tree_set.trees]
+        entries = list(self.tree_set.trees)
+        for b in BUCKETS:
+            fitted = fit_costs(trees, self.measured, b, [e.cost(b) for e in self._base_costs])
+            if fitted is not None:
+                entries = [replace(e, cost_seconds={**e.cost_seconds, b: c}) for e, c in zip(entries, fitted)]
+        self.tree_set = replace(self.tree_set, trees=tuple(entries),
+                                provenance={**self.tree_set.provenance, "online_steps": self.steps})
+        return self.tree_set
+
     def summary(self) -> str:
         depth = self.tree_set.max_depth
         recs = list(self.records)

@@ -9,6 +9,7 @@ import sys
 from ..policy.controller import TreeController
 from .config import EntMtpConfig
 from .sglang_api import CustomSpecAlgo, SpeculativeAlgorithm
+from .token_map import default_token_map
 from .tree_plan import plan_tree, required_topk
 
 logger = logging.getLogger("entmtp_sglang.sglang")
@@ -94,6 +95,7 @@ class EntMtpSpecAlgo(CustomSpecAlgo):
                 # near-tied argmaxes: greedy output equals plain decoding in float32 (--dtype overrides)
                 server_args.dtype = "float32"
                 logger.info("ENTMTP on CPU: serving in float32 (pass --dtype to choose another)")
+        default_token_map(server_args)
         if server_args.max_running_requests is None:
             server_args.max_running_requests = 48
         if not server_args.speculative_draft_model_path:

@@ -9,7 +9,9 @@ ENTMTP starts uncalibrated: a generic set (`tree/generic.py`, sized by `--specul
 verified steps (`policy/online.py`). A set calibrated for another model is refused (the message says
 which) unless `ENTMTP_FORCE_TREE_SET=1`. `ENTMTP_ONLINE_CALIBRATION=1` refits a calibrated set online too
 (its own predictor and costs are the prior). `ENTMTP_RECORD=FILE` appends one JSON line per verified step
-(what `entmtp calibrate --engine sglang` reads). `ENTMTP_GRAMMAR_DRAFT=0`
+(what `entmtp calibrate --engine sglang` reads). By default a calibrated set's step costs are refitted from
+the steps this server times (the set's costs are the prior; `ENTMTP_ONLINE_COSTS=0` keeps them).
+`ENTMTP_GRAMMAR_DRAFT=0`
 turns off the grammar-masked entropy and drafts of constrained requests (on by default; needs the overlap
 scheduler off, as on CPU). `ENTMTP_POLICY` picks how trees are scored: `entmtp` (default: the set's per-node
 acceptance predictor when it carries one, else its signal bins), `entmtp-bins` or `entmtp-predictor`.
@@ -31,6 +33,7 @@ ENV_POLICY = "ENTMTP_POLICY"
 ENV_FORCE = "ENTMTP_FORCE_TREE_SET"     # "1": serve a tree set calibrated for another model
 ENV_RECORD = "ENTMTP_RECORD"           # a file: one JSON line per verified step (calibration through SGLang)
 ENV_ONLINE = "ENTMTP_ONLINE_CALIBRATION"  # "1": refit a calibrated set's predictor and costs as it serves
+ENV_ONLINE_COSTS = "ENTMTP_ONLINE_COSTS"  # "0": keep a calibrated set's step costs (default: refit them as it serves)
 ENV_PROFILE = "ENTMTP_PROFILE"         # a file: seconds per stage of every decode step (profile.py)
 ENV_TREE_TRACE = "ENTMTP_TREE_TRACE"   # a directory: each rank appends its tree per decode step (debugging)
 PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
@@ -87,6 +90,7 @@ class EntMtpConfig:
     force: bool = False             # serve a set calibrated for another model
     record_path: Path | None = None # ENTMTP_RECORD
     online: bool = False            # ENTMTP_ONLINE_CALIBRATION (always on for the generic set)
+    online_costs: bool = True       # ENTMTP_ONLINE_COSTS: step costs timed in this server, the set's as prior
     generic_depth: int = 4          # the generic set's depth and width (zero-setup start)
     generic_topk: int = 2
 
@@ -113,6 +117,7 @@ class EntMtpConfig:
         return cls(tree_set_path=path, model_name=model, grammar_drafting=_flag(ENV_GRAMMAR_DRAFT, "1"),
                    policy=os.environ.get(ENV_POLICY, "entmtp").strip().lower() or "entmtp",
                    force=_flag(ENV_FORCE), record_path=Path(record) if record else None, online=_flag(ENV_ONLINE),
+                   online_costs=_flag(ENV_ONLINE_COSTS, "1"),
                    generic_depth=int(steps) if steps else 4, generic_topk=int(topk) if topk else 2)
 
     @property

@@ -71,8 +71,16 @@ def path_bitmask(grammar, path: Sequence[int], vocab_size: int) -> torch.Tensor 
             grammar.rollback(accepted)
 
 
-def masked_logits(logits: torch.Tensor, grammar, bitmask: torch.Tensor) -> torch.Tensor:
-    """A copy of one row of logits (V,) with every token the bitmask forbids at -inf."""
+def masked_logits(logits: torch.Tensor, grammar, bitmask: torch.Tensor, hot: torch.Tensor | None = None
+                  ) -> torch.Tensor:
+    """A copy of one row of logits (V,) with every token the bitmask forbids at -inf. `hot`: the target id of
+    each draft token when the logits are over a draft vocabulary (--speculative-token-map, EAGLE-3): the
+    target-vocabulary mask is read at those ids."""
+    if hot is not None:
+        hot = hot.to("cpu", torch.long)
+        full = torch.full((max(bitmask.shape[-1] * 32, int(hot.max()) + 1),), float("-inf"))
+        full[hot] = logits.detach().float().reshape(-1).cpu()
+        return masked_logits(full, grammar, bitmask)[hot].to(logits.device)
     row = logits.detach().float().reshape(1, -1).clone()
     v = min(row.shape[-1], bitmask.shape[-1] * 32)
     part = row[:, :v].contiguous()
@@ -82,24 +90,27 @@ def masked_logits(logits: torch.Tensor, grammar, bitmask: torch.Tensor) -> torch
     return out[0]
 
 
-def grammar_topk(logits: torch.Tensor, grammar, path: Sequence[int], k: int, vocab_size: int):
-    """Top-k token ids of `logits` (V,) among the tokens the grammar allows after `path`; None when the
-    grammar gives no guidance there (path invalid or grammar finished)."""
+def grammar_topk(logits: torch.Tensor, grammar, path: Sequence[int], k: int, vocab_size: int,
+                 hot: torch.Tensor | None = None):
+    """Top-k target token ids of `logits` (V,) among the tokens the grammar allows after `path`; None when the
+    grammar gives no guidance there (path invalid or grammar finished). `hot`: as in `masked_logits`."""
     bitmask = path_bitmask(grammar, path, vocab_size)
     if bitmask is None:
         return None
-    return torch.topk(masked_logits(logits, grammar, bitmask), k).indices
+    top = torch.topk(masked_logits(logits, grammar, bitmask, hot), k).indices
+    return top if hot is None else hot.to(top.device)[top]
 
 
 def grammar_signal(logits: torch.Tensor, grammar, vocab_size: int, kind: str = "draft_entropy",
-                   with_probs: bool = False):
+                   with_probs: bool = False, hot: torch.Tensor | None = None):
     """A draft signal (`policy.signals.draft_signal`: entropy in nats, or top-1 margin) of softmax(logits)
     restricted to the tokens the grammar allows next (renormalised); None when the grammar gives no
-    guidance or allows nothing. `with_probs`: (signal, the masked top-k probabilities) instead."""
+    guidance or allows nothing. `with_probs`: (signal, the masked top-k probabilities) instead. `hot`: as in
+    `masked_logits` (the signal is then over the allowed tokens of the draft vocabulary)."""
     bitmask = path_bitmask(grammar, (), vocab_size)
     if bitmask is None:
         return None
-    row = masked_logits(logits, grammar, bitmask)
+    row = masked_logits(logits, grammar, bitmask, hot)
     if not torch.isfinite(row).any():
         return None
     value = float(draft_signal(kind, row.float().unsqueeze(0))[0])

@@ -34,6 +34,7 @@ import torch
 
 from ..engine.sampling import top_probs
 from ..policy.controller import RequestInput, TreeController
+from ..policy.online import OnlineCalibration
 from ..policy.signals import draft_signal, least_predictable
 from ..tree.acceptance import AcceptancePredictor
 from . import grammar_draft, observe, visibility
@@ -59,6 +60,7 @@ class _Rest(Exception):
 
 
 MAX_PENDING = 16   # rested positions a request may owe the drafter before a catch-up runs regardless
+COST_REFIT_EVERY = 32   # decode steps between refits of the step costs timed in this server
 
 
 def needs_plain_decoding(reqs) -> bool:
@@ -113,6 +115,12 @@ class EntMtpWorker(EAGLEWorkerV2):
                                                 timed=int(getattr(server_args, "tp_size", 1) or 1) == 1)
         if self.observer is not None:
             observe.enable()
+        # step costs timed in this server (single rank: wall times differ between ranks, every rank must choose
+        # the same tree), unless the observer already refits them with the predictor
+        online = self.observer is not None and self.observer.online is not None
+        single = int(getattr(server_args, "tp_size", 1) or 1) == 1
+        self.costs = (OnlineCalibration(self.tree_set, refit_every=COST_REFIT_EVERY)
+                      if self.config.online_costs and single and not online else None)
         self._chosen: int | None = None
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
         self._trace_path = _trace_path(os.environ.get(ENV_TREE_TRACE))
@@ -148,11 +156,11 @@ class EntMtpWorker(EAGLEWorkerV2):
 
     @property
     def grammar_drafting(self) -> bool:
-        """Whether constrained requests get grammar-masked signals and drafts. Grammar masks are over the
-        target's vocabulary, so a draft with its own vocabulary drafts unmasked. (The grammar objects are read,
-        and rolled back, on this thread; under the overlap scheduler the scheduler may be advancing them
+        """Whether constrained requests get grammar-masked signals and drafts (over a draft vocabulary too: the
+        target-vocabulary mask is read at each draft token's target id). (The grammar objects are read, and
+        rolled back, on this thread; under the overlap scheduler the scheduler may be advancing them
         concurrently, so grammar-aware drafting also skips overlapped batches.)"""
-        return self.config.grammar_drafting and self.hot_token_id is None
+        return self.config.grammar_drafting
 
     # -- per step -----------------------------------------------------------------------------------
     def forward_batch_generation(self, batch, *args, **kwargs):
@@ -169,8 +177,12 @@ class EntMtpWorker(EAGLEWorkerV2):
         self._last_extend = None
         start = time.perf_counter()
         out = super().forward_batch_generation(batch, *args, **kwargs)
-        if decode and self.observer is not None and not batch.forward_mode.is_idle():
-            self._observe(batch, time.perf_counter() - start)
+        if decode and not batch.forward_mode.is_idle():
+            seconds = time.perf_counter() - start
+            if self.observer is not None:
+                self._observe(batch, seconds)
+            if self.costs is not None and self._chosen is not None:
+                self._time_step(len(batch.reqs), seconds)
         self._record_signals(batch)
         if prof is not None:
             prof.end_step(tree="rest" if self._resting else self._plan.tree.name if self._plan is not None
@@ -190,6 +202,13 @@ class EntMtpWorker(EAGLEWorkerV2):
         except Exception:   # observing must never fail a request
             logger.exception("ENTMTP: recording a verified step failed; recording stops")
             self.observer = None
+
+    def _time_step(self, rows: int, seconds: float) -> None:
+        costs = self.costs
+        costs.observe_time(self._chosen, rows, seconds)
+        if costs.due():
+            self.tree_set = self.controller.tree_set = costs.refit_costs()
+            logger.info("ENTMTP step costs timed in this server (%d steps): %s", costs.steps, costs.summary())
 
     def _choose(self, batch) -> None:
         reqs = batch.reqs
@@ -380,8 +399,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             if g is None or logits is None:
                 continue
             try:
-                masked = grammar_draft.grammar_signal(logits, g, getattr(g, "vocab_size", logits.shape[-1]),
-                                                      self.signal, with_probs=True)
+                masked = grammar_draft.grammar_signal(logits, g, self._grammar_vocab(g, logits), self.signal,
+                                                      with_probs=True, hot=self.hot_token_id)
             except Exception:
                 logger.exception("ENTMTP: grammar-masked %s failed for %s; using the unmasked one",
                                  self.signal, r.rid)
@@ -492,10 +511,15 @@ class EntMtpWorker(EAGLEWorkerV2):
             self.observer.drafted(token)
         return parent_list, selected, draft_tokens, None
 
+    def _grammar_vocab(self, grammar, logits) -> int:
+        """The target vocabulary the grammar's masks cover."""
+        return int(getattr(grammar, "vocab_size", 0) or self.target_worker.model_config.vocab_size
+                   or logits.shape[-1])
+
     def _grammar_topk(self, logits, grammar, path):
         try:
-            return grammar_draft.grammar_topk(logits, grammar, path, self.topk,
-                                              getattr(grammar, "vocab_size", logits.shape[-1]))
+            return grammar_draft.grammar_topk(logits, grammar, path, self.topk, self._grammar_vocab(grammar, logits),
+                                              hot=self.hot_token_id)
         except Exception:   # drafting must never fail a request: keep the unmasked drafts
             logger.exception("ENTMTP: grammar-aware drafting failed; unmasked drafts this node")
             return None
