@@ -214,6 +214,7 @@ class Row:
     equal_to_plain: int | None = None
     requests: int = 0
     repeat_tokens_per_s: list[float] = field(default_factory=list)
+    task: str = ""
 
     @property
     def tokens_per_s(self) -> float:
@@ -232,28 +233,35 @@ def bench_prompts(per_task: int) -> list[str]:
     return out
 
 
-def run_batch(srv: SGLangServer, prompts: list[str], batch: int, max_new: int) -> tuple[list[dict], float]:
-    return concurrent_generate(srv, [generate_payload(p, max_new) for p in prompts], batch)
-
-
 def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64, repeats: int = 3,
         log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
         on_repeat=None, model: Path | None = None, starts_at_once: int | None = None) -> list[Row]:
     """All servers up at once (idle ones sleep), measurements interleaved: for each repeat, each batch size,
     each system in turn; tokens/s is the median over repeats, so load from elsewhere hits all alike."""
-    prompts = bench_prompts(per_task)
+    payloads = [generate_payload(p, max_new) for p in bench_prompts(per_task)]
+    return run_workloads(systems, {"": (payloads, tuple(batches))}, repeats, log_dir, dtype, progress, on_repeat,
+                         model, starts_at_once)
+
+
+def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...]]], repeats: int = 3,
+                  log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
+                  on_repeat=None, model: Path | None = None, starts_at_once: int | None = None) -> list[Row]:
+    """`run` over named workloads: task -> (/generate payloads, batch sizes). For each repeat, each task, each
+    batch size, each system in turn; every speculative output is compared with the first system without
+    speculation (plain decoding) on the same payloads."""
     pool = ServerPool(log_dir, ("--dtype", dtype), progress, model=model, starts_at_once=starts_at_once)
     for spec in systems:
         pool.add(spec)
+    keys = [(task, b) for task, (_, batches) in workloads.items() for b in batches]
     with pool:
-        runs: dict[tuple[str, int], list[Row]] = collections.defaultdict(list)
-        reference: dict[int, list] = {}
+        runs: dict[tuple[str, str, int], list[Row]] = collections.defaultdict(list)
+        reference: dict[tuple[str, int], list] = {}
         for rep in range(repeats):
-            for b in batches:
+            for task, b in keys:
                 for spec in systems:
-                    outs, secs = run_batch(pool[spec.name], prompts, b, max_new)
+                    outs, secs = concurrent_generate(pool[spec.name], workloads[task][0], b)
                     row = Row(spec.name, b, sum(o["meta_info"]["completion_tokens"] for o in outs), secs,
-                              requests=len(outs))
+                              requests=len(outs), task=task)
                     for o in outs:
                         m = o["meta_info"]
                         if m.get("spec_verify_ct"):
@@ -261,22 +269,22 @@ def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int
                         row.trees.update(m.get("entmtp_trees", []))
                     ids = [o["output_ids"] for o in outs]
                     if spec.speculative is None:
-                        reference.setdefault(b, ids)
-                    elif b in reference:
-                        row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[b]))
-                    runs[(spec.name, b)].append(row)
-                    progress(f"repeat {rep} {spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, "
+                        reference.setdefault((task, b), ids)
+                    elif (task, b) in reference:
+                        row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[(task, b)]))
+                    runs[(spec.name, task, b)].append(row)
+                    progress(f"repeat {rep} {task or 'all'} {spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, "
                              f"accept {row.mean_accept or 0:.2f}, equal {row.equal_to_plain}/{len(ids)}")
             if on_repeat is not None:
-                on_repeat(_medians(runs, systems, batches), rep + 1)
-    return _medians(runs, systems, batches)
+                on_repeat(_medians(runs, systems, keys), rep + 1)
+    return _medians(runs, systems, keys)
 
 
-def _medians(runs, systems, batches) -> list[Row]:
+def _medians(runs, systems, keys) -> list[Row]:
     rows = []
-    for b in batches:
+    for task, b in keys:
         for spec in systems:
-            rs = runs[(spec.name, b)]
+            rs = runs[(spec.name, task, b)]
             med = sorted(rs, key=lambda r: r.tokens_per_s)[len(rs) // 2]
             eq = [r.equal_to_plain for r in rs if r.equal_to_plain is not None]
             med.equal_to_plain = min(eq) if eq else None
@@ -297,15 +305,18 @@ def machine() -> dict:
 
 
 def to_markdown(rows: list[Row]) -> str:
-    plain = {r.batch: r.tokens_per_s for r in rows if r.system == "plain"}
-    lines = ["| system | batch | tokens/s (median) | vs plain | mean accepted length | greedy = plain | trees chosen |",
-             "|---|---|---|---|---|---|---|"]
+    plain = {(r.task, r.batch): r.tokens_per_s for r in rows if r.system == "plain"}
+    tasks = any(r.task for r in rows)
+    lines = [("| task " if tasks else "") + "| system | batch | tokens/s (median) | vs plain | mean accepted length "
+             "| greedy = plain | trees chosen |", ("|---" if tasks else "") + "|---|---|---|---|---|---|---|"]
     for r in rows:
-        ratio = f"{r.tokens_per_s / plain[r.batch]:.2f}x" if r.batch in plain else ""
+        key = (r.task, r.batch)
+        ratio = f"{r.tokens_per_s / plain[key]:.2f}x" if key in plain else ""
         trees = ", ".join(f"{k} {v}" for k, v in r.trees.most_common(4))
         eq = "" if r.equal_to_plain is None else f"{r.equal_to_plain}/{r.requests}"
         acc = "" if r.mean_accept is None else f"{r.mean_accept:.2f}"
-        lines.append(f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio} | {acc} | {eq} | {trees} |")
+        lines.append((f"| {r.task} " if tasks else "")
+                     + f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio} | {acc} | {eq} | {trees} |")
     return "\n".join(lines)
 
 
@@ -314,7 +325,7 @@ def write(rows: list[Row], out_dir: Path, config: dict, name: str = "sglang_cpu"
     meta = {**config, **machine()}
     with open(out_dir / f"{name}.jsonl", "w") as f:
         for r in rows:
-            f.write(json.dumps({**meta, "system": r.system, "batch": r.batch, "tokens": r.tokens,
+            f.write(json.dumps({**meta, "task": r.task, "system": r.system, "batch": r.batch, "tokens": r.tokens,
                                 "seconds": round(r.seconds, 3), "tokens_per_s": round(r.tokens_per_s, 2),
                                 "mean_accept_length": r.mean_accept, "equal_to_plain": r.equal_to_plain,
                                 "requests": r.requests, "trees": dict(r.trees),

@@ -58,6 +58,11 @@ def cpu_args(speculative: str | None, *, model: Path = BUNDLED_MODEL, steps: int
                  "--speculative-num-draft-tokens", str(draft_tokens)]
         if adaptive:
             args.append("--speculative-adaptive")
+        if (model / "eagle" / "draft_vocab.safetensors").exists() and "--speculative-token-map" not in extra:
+            # as ENTMTP does by itself (sglang/token_map.py): the drafter drafts over its own vocabulary
+            from ..model.load import draft_token_map
+
+            args += ["--speculative-token-map", str(draft_token_map(model / "eagle"))]
     return args + list(extra)
 
 
