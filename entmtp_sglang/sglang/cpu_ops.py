@@ -583,7 +583,7 @@ def install_if_missing(*, only_for_cpu_engine: bool = True) -> InstallOutcome:
        still raises ImportError as before.
 
     Must run before SGLang imports the modules listed in this file's docstring, in every process
-    (SGLang spawns its scheduler processes): see docs/SGLANG.md ("Installing the CPU ops").
+    (SGLang spawns its scheduler processes): see docs/sglang.md ("Installing the CPU ops").
     """
     if only_for_cpu_engine and os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1":
         return InstallOutcome.SKIPPED
@@ -613,7 +613,7 @@ def sglang_platform_plugin() -> None:
     SGLang calls every platform plugin when `sglang.srt.platforms.current_platform` is first read,
     which `sglang/srt/utils/common.py:102` does at import time in every process, before any module
     that imports the CPU ops. Returning None means "no platform here", so SGLang still picks its own
-    CPU platform (sglang/srt/platforms/__init__.py:140-158). See docs/SGLANG.md.
+    CPU platform (sglang/srt/platforms/__init__.py:140-158). See docs/sglang.md.
     """
     install_if_missing()
     return None
