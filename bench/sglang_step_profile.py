@@ -1,0 +1,132 @@
+"""What one decode step costs inside SGLang on this CPU, side by side: a plain SGLang step, an ENTMTP resting step,
+and an ENTMTP speculative step of every tree of the served set, at batch 1, 4 and 16; and where the ENTMTP step's
+time goes (ENTMTP_PROFILE, sglang/profile.py).
+
+    .venv/bin/python bench/sglang_step_profile.py    # about 10 minutes; writes bench/results/sglang_step_profile.*
+
+Two servers (plain SGLang and ENTMTP as `make serve` starts it), SmolLM2, greedy, float32. Every request of a
+measurement pins one tree (`custom_params.entmtp_tree`; chain:0 = resting, with its periodic catch-up), so a step
+is that tree's step; a step's wall time is the batch's wall time over its decode steps (the most any request of
+it took), prefill included, as a user sees it. The fixed part of a speculative step is the intercept of a least-
+squares line through the trees' step times (ms = fixed + per drafted node + per draft level).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from entmtp_sglang.bench.sglang_benchmark import concurrent_generate, machine
+from entmtp_sglang.bench.sglang_server import SGLangServer
+from entmtp_sglang.model.prepare import resolve_alias
+from entmtp_sglang.sglang.config import resolve_tree_set_path
+from entmtp_sglang.tasks import load_prompts
+from entmtp_sglang.tree.treeset import load_tree_set
+
+ROOT = Path(__file__).resolve().parent.parent
+STAGES = ("total", "choose", "catch_up", "draft", "draft_forward", "verify", "target_forward", "draft_extend")
+
+
+def step_ms(outs: list[dict], seconds: float, batch: int, speculative: bool) -> float:
+    """Wall milliseconds per decode step of a batch kept `batch` requests full: all requests' steps over `batch`."""
+    steps = sum(int(o["meta_info"]["spec_verify_ct"]) if speculative else int(o["meta_info"]["completion_tokens"]) - 1
+                for o in outs)
+    return 1000 * seconds * batch / max(steps, 1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--batches", default="1,4,16")
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    args = ap.parse_args()
+    model = resolve_alias(args.model)
+    ts = load_tree_set(resolve_tree_set_path(None, model.name))
+    logs = ROOT / "runs" / "sglang-step-profile"
+    logs.mkdir(parents=True, exist_ok=True)
+    prof = logs / "entmtp-profile.jsonl"
+    prof.unlink(missing_ok=True)
+    kv = ("--max-total-tokens", "6000", "--dtype", "float32")
+    plain = SGLangServer.cpu(None, model=model, attention="torch_native", extra=kv, log_path=logs / "plain.log")
+    ent = SGLangServer.cpu("ENTMTP", model=model, extra=kv, log_path=logs / "entmtp.log",
+                           env={"ENTMTP_PROFILE": str(prof), "ENTMTP_ONLINE_COSTS": "0"})
+    prompts = [it["prompt"][-600:] for task in ("code", "chat", "prose", "json", "math")
+               for it in load_prompts(task, "test", 4)]
+    pins = ["plain"] + [t.tree.name for t in ts.trees]
+    nodes = {t.tree.name: (t.tree.num_nodes, t.tree.max_depth) for t in ts.trees}
+    ms: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    t0 = time.time()
+    with plain, ent:
+        for rep in range(args.repeats):
+            for b in (int(x) for x in args.batches.split(",")):
+                batch = prompts[: max(b, 4)]
+                for pin in pins:
+                    params = {"temperature": 0.0, "max_new_tokens": args.max_new_tokens}
+                    if pin != "plain":
+                        params["custom_params"] = {"entmtp_tree": pin}
+                    srv = plain if pin == "plain" else ent
+                    outs, sec = concurrent_generate(srv, [{"text": p, "sampling_params": params} for p in batch], b)
+                    ms[(pin, b)].append(step_ms(outs, sec, b, pin != "plain"))
+                    print(f"repeat {rep} batch {b} {pin}: {ms[(pin, b)][-1]:.1f} ms/step", flush=True)
+    rows = []
+    for (pin, b), v in ms.items():
+        n, d = nodes.get(pin, (1, 0))
+        rows.append({"tree": "rest (chain:0)" if pin == "chain:0" else pin, "batch": b, "nodes": n, "depth": d,
+                     "step_ms": round(statistics.median(v), 2), "repeats_ms": [round(x, 2) for x in v]})
+    profile = collections.defaultdict(list)
+    for line in prof.read_text().splitlines():
+        r = json.loads(line)
+        profile[(r["tree"], r["bs"])].append(r)
+    stages = {key: {s: round(1000 * statistics.median(r.get(s, 0.0) for r in rs), 2) for s in STAGES}
+              for key, rs in profile.items() if len(rs) >= 3}
+    write(rows, stages, args, model, time.time() - t0)
+
+
+def fixed_part(rows: list[dict], b: int) -> float | None:
+    """Intercept of ms = fixed + per_node * (nodes - 1) + per_level * depth over the speculative trees."""
+    pts = [r for r in rows if r["batch"] == b and r["depth"] > 0]
+    if len({(r["nodes"], r["depth"]) for r in pts}) < 3:
+        return None
+    x = torch.tensor([[1.0, r["nodes"] - 1, r["depth"]] for r in pts], dtype=torch.float64)
+    y = torch.tensor([[r["step_ms"]] for r in pts], dtype=torch.float64)
+    return float(torch.linalg.lstsq(x, y).solution[0, 0])
+
+
+def write(rows, stages, args, model, seconds) -> None:
+    lines = ["| batch | step | nodes | depth | ms per step (median) | vs plain step |", "|---|---|---|---|---|---|"]
+    for b in sorted({r["batch"] for r in rows}):
+        plain = next(r["step_ms"] for r in rows if r["batch"] == b and r["tree"] == "plain")
+        for r in sorted((r for r in rows if r["batch"] == b), key=lambda r: (r["tree"] != "plain", r["nodes"])):
+            lines.append(f"| {b} | {r['tree']} | {r['nodes']} | {r['depth']} | {r['step_ms']:.1f} | "
+                         f"{r['step_ms'] / plain:.2f}x |")
+        fixed = fixed_part(rows, b)
+        if fixed is not None:
+            lines.append(f"| {b} | speculative step, fixed part (fit at 0 drafted nodes, depth 0) | | | {fixed:.1f} | "
+                         f"{fixed / plain:.2f}x |")
+    lines += ["", "Inside the ENTMTP worker, median ms per stage (ENTMTP_PROFILE; `catch_up` is inside `choose`, "
+              "`draft_forward` inside `draft`/`draft_extend`/`catch_up`, `target_forward` inside `verify`):", "",
+              "| step | batch | " + " | ".join(STAGES) + " |", "|---|---|" + "---|" * len(STAGES)]
+    for (tree, b), st in sorted(stages.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        lines.append(f"| {tree} | {b} | " + " | ".join(f"{st[s]:.1f}" for s in STAGES) + " |")
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta = {"model": model.name, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+            "duration_s": round(seconds), **machine()}
+    with open(args.out / "sglang_step_profile.jsonl", "w") as f:
+        for r in rows:
+            f.write(json.dumps({**meta, **r}) + "\n")
+        for (tree, b), st in stages.items():
+            f.write(json.dumps({**meta, "stages_of": tree, "batch": b, **st}) + "\n")
+    (args.out / "sglang_step_profile.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
