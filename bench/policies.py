@@ -49,10 +49,10 @@ from entmtp_sglang.calibrate import (
 )
 from entmtp_sglang.engine.engine import Engine
 from entmtp_sglang.model.load import load_bundle
+from entmtp_sglang.policy.eagle2 import Eagle2Policy
 from entmtp_sglang.policy.policies import (
     HYSTERESIS,
     AdaptiveEMAPolicy,
-    Eagle2Policy,
     EntMTPPolicy,
     OraclePolicy,
     StaticPolicy,

@@ -30,9 +30,8 @@ from pathlib import Path
 import torch
 
 from .engine.engine import Engine, static_chooser
-from .engine.sampling import entropy_nats, top_margin, top_probs
 from .model.load import Bundle
-from .policy.signals import SIGNAL_KINDS, recorded_signal
+from .policy.signals import SIGNAL_KINDS, entropy_nats, recorded_signal, top_margin, top_probs
 from .tree import Tree
 from .tree.acceptance import fit_predictor
 from .tree.construct import accepted_on, expected_accepted, greedy_tree, pareto_front

@@ -385,7 +385,8 @@ def _chooser(args, bundle):
     """(tree chooser, its name for the stats line) from --policy, --tree, --tree-set; ValueError names a
     bad combination."""
     from .engine.engine import static_chooser
-    from .policy.policies import AdaptiveEMAPolicy, Eagle2Policy, EntMTPPolicy, entmtp_policy
+    from .policy.eagle2 import Eagle2Policy
+    from .policy.policies import AdaptiveEMAPolicy, EntMTPPolicy, entmtp_policy
     from .tree import Tree
     from .tree.treeset import TreeSetError, load_tree_set, shipped_tree_set
 

@@ -105,6 +105,8 @@ def test_wheel_carries_kernels_trees_model_and_shadows_nothing(tmp_path):
     assert "entmtp_sglang/models/entmtp-tiny/model.safetensors" in names
     assert "entmtp_sglang/models/entmtp-tiny/eagle/model.safetensors" in names
     assert "entmtp_sglang/data/prompts/code.jsonl" in names
+    # test-only code stays next to the tests (tests/helpers/)
+    assert not any(n.endswith(("/testing.py", "/tiny_checkpoints.py")) for n in names)
 
 
 def test_public_entry_runs_entmtp_end_to_end():

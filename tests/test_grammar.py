@@ -207,7 +207,7 @@ def test_cli_prints_the_finish_reason(tmp_path, capsys):
 def test_the_observer_sees_the_grammar_masked_draft(random_models):
     """A batch policy reads the drafter through the observer; under grammar drafting it must see the same
     masked distribution as each request's StepView (whose draft entropy is taken after the mask)."""
-    from entmtp_sglang.engine.sampling import entropy_nats
+    from entmtp_sglang.policy.signals import entropy_nats
 
     target, drafters = random_models
     engine = Engine(target, "hydra", drafters["hydra"])

@@ -9,11 +9,16 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from entmtp_sglang.engine.engine import StepRecord, StepView
-from entmtp_sglang.engine.sampling import entropy_nats
+from entmtp_sglang.policy.chooser import StepRecord, StepView
 from entmtp_sglang.policy.policies import AdaptiveEMAPolicy, EntMTPPolicy, StaticPolicy
 from entmtp_sglang.policy.selector import select_tree
-from entmtp_sglang.policy.signals import draft_signal, least_predictable, recent_target_entropies, signal_value
+from entmtp_sglang.policy.signals import (
+    draft_signal,
+    entropy_nats,
+    least_predictable,
+    recent_target_entropies,
+    signal_value,
+)
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.construct import accepted_on, expected_accepted, greedy_tree, independent_tree, pareto_front
 from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, TreeSetError, from_json, load_tree_set

@@ -17,8 +17,7 @@ import subprocess
 import sys
 
 import pytest
-
-from entmtp_sglang.testing import import_sglang_or_skip
+from helpers.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 

@@ -14,9 +14,9 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.testing import import_sglang_or_skip
 
 from entmtp_sglang.tasks import load_prompts
-from entmtp_sglang.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 

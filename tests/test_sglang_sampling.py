@@ -15,8 +15,7 @@ import concurrent.futures as cf
 
 import pytest
 import torch
-
-from entmtp_sglang.testing import chi_square_pvalue, import_sglang_or_skip
+from helpers.testing import chi_square_pvalue, import_sglang_or_skip
 
 import_sglang_or_skip()
 

@@ -15,9 +15,9 @@ import re
 import time
 
 import pytest
+from helpers.testing import import_sglang_or_skip
 
 from entmtp_sglang.tasks import load_prompts, load_schema
-from entmtp_sglang.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 

@@ -7,8 +7,7 @@ Two servers (float32, about a minute each to start). The model is prepared from 
 from __future__ import annotations
 
 import pytest
-
-from entmtp_sglang.testing import import_sglang_or_skip
+from helpers.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 

@@ -26,9 +26,11 @@ from collections import Counter
 import torch
 
 from ..calibrate import CalibrationConfig, fit_step_cost, load_records, record_positions
-from ..engine.engine import Engine, StepView, static_chooser
+from ..engine.engine import Engine, static_chooser
 from ..model.load import load_bundle
-from ..policy.policies import AdaptiveEMAPolicy, Eagle2Policy, OraclePolicy, StaticPolicy, entmtp_policy
+from ..policy.chooser import StepView
+from ..policy.eagle2 import Eagle2Policy
+from ..policy.policies import AdaptiveEMAPolicy, OraclePolicy, StaticPolicy, entmtp_policy
 from ..policy.selector import speculation_pays
 from ..tasks import TASKS as PROMPT_TASKS
 from ..tasks import load_prompts

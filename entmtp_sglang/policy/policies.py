@@ -8,19 +8,18 @@
 * AdaptiveEMAPolicy  - SGLang's `--speculative-adaptive` rule: an EMA of accepted length picks the
                        chain depth (same constants as sglang/srt/speculative/adaptive_spec_params.py).
 * OraclePolicy       - in hindsight, the best tree of the set at each step (the ceiling).
-* Eagle2Policy       - EAGLE-2 style: expand a wide tree, verify the most confident nodes.
+(EAGLE-2's policy, `Eagle2Policy`, is in eagle2.py with its pruning.)
 """
 
 from __future__ import annotations
 
-from ..engine.engine import StepView
-from ..engine.sampling import top_probs
 from ..tree import Tree
 from ..tree.acceptance import AcceptancePredictor
 from ..tree.construct import accepted_on
 from ..tree.treeset import TreeSet
+from .chooser import StepView
 from .controller import HYSTERESIS, MAX_REST, RequestInput, StageInput, TreeController
-from .signals import draft_signal, signal_value
+from .signals import draft_signal, signal_value, top_probs
 
 # SGLang 0.5.23 DEFAULT_ADAPTIVE_CONFIG and AdaptiveSpecParams defaults
 SGLANG_ADAPTIVE = {
@@ -270,17 +269,3 @@ class OraclePolicy:
         for i in active:
             self._next[i] += 1
         return True
-
-
-class Eagle2Policy:
-    """EAGLE-2 style: draft a wide tree, keep the `keep` nodes with the best cumulative draft
-    confidence (the engine prunes after drafting, before verification)."""
-
-    def __init__(self, wide: Tree, keep: int):
-        from ..engine.engine import DynamicTree
-
-        self.tree = DynamicTree(wide, keep)
-        self.name = f"eagle2[{wide.num_nodes}->{keep}]"
-
-    def __call__(self, view: StepView):
-        return self.tree

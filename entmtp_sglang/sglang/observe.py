@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine.sampling import entropy_nats
+from ..policy.signals import entropy_nats
 
 SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
 HOOKED = {SAMPLE: ("verify_input", "batch", "logits_output")}

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine.sampling import entropy_nats, top_margin
 from ..policy.online import OnlineCalibration, StepObservation, position_record
+from ..policy.signals import entropy_nats, top_margin
 from ..tree.treeset import TreeSet
 
 logger = logging.getLogger("entmtp_sglang.sglang")
