@@ -7,7 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-GENERATE_EPILOG = """\
+from .policy.registry import CLI_POLICIES, POLICIES, policy_help
+
+GENERATE_EPILOG_TEMPLATE = """\
 trees:
   chain:N          a chain of N drafted tokens after the root (chain:0 = plain decoding)
   -1,0,0,1         a parent array: node 0 is the root, each later node names its parent
@@ -16,19 +18,7 @@ trees:
   --tree-set TASK  the EntMTP policy over the tree set shipped for this model, drafter and task
   --tree-set FILE  ... or over a tree-set file (trees/*.json)
 policies (--policy):
-  entmtp           the default: entmtp-predictor where the set carries an acceptance predictor, else
-                   entmtp-bins
-  entmtp-bins      the set's signal bins (draft margin or entropy) -> the tree with the most expected
-                   tokens per second, with acceptance feedback and hysteresis
-  entmtp-predictor per-node acceptance predicted from the drafter's probabilities (OPT-Tree's objective)
-  entmtp-staged    entmtp-predictor, re-choosing after each drafted level among the prefixes of the
-                   chosen tree, with the drafted nodes' own probabilities (drafts and verifies less when
-                   the early drafts look weak)
-  entmtp-paper     the paper's rule: a sliding window of target entropy picks the bin (the set is rebuilt
-                   from its calibration records, which a checkout ships next to it)
-  static           one tree (--tree) every step
-  adaptive         SGLang's --speculative-adaptive rule: an EMA of accepted length picks the chain depth
-  eagle2           EAGLE-2 style: draft --tree, verify the --keep most confident nodes
+{policies}
 models:
   --model smollm2  SmolLM2-135M-Instruct, converted on first use (entmtp model prepare smollm2); its
                    prompts go through its chat template (--raw-prompt feeds them as they are)
@@ -40,10 +30,7 @@ examples:
   entmtp generate --model smollm2 --drafter hydra --tree-set math --policy entmtp-paper --prompt 'What is 12*7?'
   entmtp generate --prompt 'User: Tell me a story.\\nAssistant: ' --drafter eagle --tree=-1,0,0,1,1,2
 """
-
-
-POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor", "entmtp-staged", "entmtp-paper", "static", "adaptive",
-            "eagle2")
+GENERATE_EPILOG = GENERATE_EPILOG_TEMPLATE.replace("{policies}", policy_help())
 
 
 def _add_generate(sub) -> None:
@@ -64,7 +51,7 @@ def _add_generate(sub) -> None:
                    help="run an EntMTP policy over a tree set instead of one --tree: a task name (code, math, "
                         "chat, prose, json, json-grammar, mixed) picks the set shipped for this model and "
                         "drafter, or give a tree-set JSON file")
-    p.add_argument("--policy", choices=POLICIES, default=None,
+    p.add_argument("--policy", choices=CLI_POLICIES, default=None,
                    help="how each step's tree is chosen (default: entmtp with --tree-set, else static); see "
                         "'policies' below")
     p.add_argument("--keep", type=int, default=8,
@@ -402,13 +389,13 @@ def _chooser(args, bundle):
             ts = load_tree_set(path, model=bundle.path.name, drafter=args.drafter)
         except TreeSetError as e:
             raise ValueError(f"--tree-set: {e}") from None
-    if policy.startswith("entmtp"):
+    if POLICIES[policy].tree_set:
         if ts is None:
             raise ValueError(f"--policy {policy} chooses among the trees of a set: give --tree-set TASK|FILE")
         if args.tree:
             raise ValueError(f"--tree fixes one tree; --policy {policy} chooses among the set's (use --policy "
                              "static --tree NAME for one of them)")
-        if policy == "entmtp-paper":
+        if POLICIES[policy].rebuilds_set:
             from .calibrate import paper_tree_set
 
             records = path.with_suffix(".records.jsonl")

@@ -19,6 +19,7 @@ from ..tree.construct import accepted_on
 from ..tree.treeset import TreeSet
 from .chooser import StepView
 from .controller import HYSTERESIS, MAX_REST, RequestInput, StageInput, TreeController
+from .registry import ENTMTP_POLICIES, POLICIES
 from .signals import draft_signal, signal_value, top_probs
 
 # SGLang 0.5.23 DEFAULT_ADAPTIVE_CONFIG and AdaptiveSpecParams defaults
@@ -164,22 +165,23 @@ class EntMTPPolicy:
         return out
 
 
-ENTMTP_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor", "entmtp-staged")
 DEFAULT_USES_PREDICTOR = True  # `entmtp` = entmtp-predictor where the set carries a predictor (README: why)
 
 
 def entmtp_policy(tree_set: TreeSet, kind: str = "entmtp", **kwargs) -> EntMTPPolicy:
-    """The EntMTP policy by name: `entmtp-bins` (the set's signal bins), `entmtp-predictor` (its per-node
-    acceptance predictor; ValueError when it carries none) or `entmtp` (the default: the predictor when the
-    set carries one and DEFAULT_USES_PREDICTOR, else the bins)."""
+    """The EntMTP policy by name (`registry.ENTMTP_POLICIES`): `entmtp-bins` (the set's signal bins),
+    `entmtp-predictor` (its per-node acceptance predictor; ValueError when it carries none), `entmtp-staged`
+    (the predictor, re-choosing after each drafted level) or `entmtp` (the default: the predictor when the set
+    carries one and DEFAULT_USES_PREDICTOR, else the bins)."""
     if kind not in ENTMTP_POLICIES:
         raise ValueError(f"unknown EntMTP policy {kind!r}; choose from {', '.join(ENTMTP_POLICIES)}")
-    if kind in ("entmtp-predictor", "entmtp-staged") and tree_set.predictor is None:
+    info = POLICIES[kind]
+    if info.predictor and tree_set.predictor is None:
         raise ValueError(f"the {tree_set.drafter}/{tree_set.task} tree set carries no acceptance predictor; refit "
                          "it with `entmtp calibrate ... --records-only`, or use entmtp-bins")
-    use = kind in ("entmtp-predictor", "entmtp-staged") or (kind == "entmtp" and DEFAULT_USES_PREDICTOR)
+    use = info.predictor or (info.predictor is None and DEFAULT_USES_PREDICTOR)
     pred = AcceptancePredictor.from_json(tree_set.predictor) if use and tree_set.predictor is not None else None
-    return EntMTPPolicy(tree_set, predictor=pred, staged=kind == "entmtp-staged", **kwargs)
+    return EntMTPPolicy(tree_set, predictor=pred, staged=info.staged, **kwargs)
 
 
 class AdaptiveEMAPolicy:

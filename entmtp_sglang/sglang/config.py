@@ -22,6 +22,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..policy.registry import SERVER_POLICIES
 from ..tree.generic import generic_tree_set
 from ..tree.treeset import FORMAT, TreeSet, TreeSetError, load_tree_set, shipped_tree_set
 
@@ -33,7 +34,6 @@ ENV_RECORD = "ENTMTP_RECORD"           # a file: one JSON line per verified step
 ENV_ONLINE = "ENTMTP_ONLINE_CALIBRATION"  # "1": refit a calibrated set's predictor and costs as it serves
 ENV_TREE_TRACE = "ENTMTP_TREE_TRACE"   # a directory: each rank appends its tree per decode step (debugging)
 PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
-SERVER_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor")
 
 
 def pin_of(custom_params) -> str | None:
