@@ -207,7 +207,8 @@ def _calibrate(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from .calibrate import CalibrationConfig, build_tree_set, load_records, plot_pareto, record_positions, save_records
+    from .calibrate.build import build_tree_set, plot_pareto
+    from .calibrate.records import CalibrationConfig, load_records, record_positions, save_records
     from .model.load import load_bundle
     from .tasks import TASKS, interleave, load_prompts
 
@@ -224,8 +225,8 @@ def _calibrate(args) -> int:
         return 2
     models = cost_source = None
     if args.cost_table:
-        from .calibrate import COST_BATCHES
-        from .cost_table import CostTableError, load_cost_table, step_cost_models_from_table
+        from .calibrate.cost_table import CostTableError, load_cost_table, step_cost_models_from_table
+        from .calibrate.costs import COST_BATCHES
 
         try:
             table = load_cost_table(args.cost_table)
@@ -306,7 +307,7 @@ def _calibrate(args) -> int:
 def _calibrate_sglang(args) -> int:
     from tqdm import tqdm
 
-    from .calibrate_sglang import SGLangCalibration, load_prompt_items, run
+    from .calibrate.through_sglang import SGLangCalibration, load_prompt_items, run
 
     if args.model_path is None or args.speculative_draft_model_path is None:
         print("error: --engine sglang needs --model-path and --speculative-draft-model-path", file=sys.stderr)
@@ -396,7 +397,7 @@ def _chooser(args, bundle):
             raise ValueError(f"--tree fixes one tree; --policy {policy} chooses among the set's (use --policy "
                              "static --tree NAME for one of them)")
         if POLICIES[policy].rebuilds_set:
-            from .calibrate import paper_tree_set
+            from .calibrate.build import paper_tree_set
 
             records = path.with_suffix(".records.jsonl")
             if not records.exists():

@@ -31,7 +31,7 @@ import_sglang_or_skip()
 
 from helpers import tiny_checkpoints as tiny  # noqa: E402
 
-from entmtp_sglang.bench.sglang_server import SGLangServer, cpu_args, free_port  # noqa: E402
+from entmtp_sglang.calibrate.server import SGLangServer, cpu_args, free_port  # noqa: E402
 from entmtp_sglang.sglang.config import ENV_TREE_SET, shipped_tree_set  # noqa: E402
 from entmtp_sglang.tree.treeset import load_tree_set  # noqa: E402
 

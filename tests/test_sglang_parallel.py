@@ -20,7 +20,7 @@ from entmtp_sglang.tasks import load_prompts
 
 import_sglang_or_skip()
 
-from entmtp_sglang.bench.sglang_server import SGLangServer  # noqa: E402
+from entmtp_sglang.calibrate.server import SGLangServer  # noqa: E402
 
 pytestmark = [pytest.mark.sglang, pytest.mark.slow]
 MAX_NEW = 32

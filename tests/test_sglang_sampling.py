@@ -19,7 +19,7 @@ from helpers.testing import chi_square_pvalue, import_sglang_or_skip
 
 import_sglang_or_skip()
 
-from entmtp_sglang.bench.sglang_server import SGLangServer  # noqa: E402
+from entmtp_sglang.calibrate.server import SGLangServer  # noqa: E402
 from entmtp_sglang.model.load import BUNDLED_MODEL, load_bundle, load_target  # noqa: E402
 from entmtp_sglang.tasks import load_prompts  # noqa: E402
 

@@ -25,7 +25,8 @@ from collections import Counter
 
 import torch
 
-from ..calibrate import CalibrationConfig, fit_step_cost, load_records, record_positions
+from ..calibrate.costs import fit_step_cost
+from ..calibrate.records import CalibrationConfig, load_records, record_positions
 from ..engine.engine import Engine, static_chooser
 from ..model.load import load_bundle
 from ..policy.chooser import StepView

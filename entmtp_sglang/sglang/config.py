@@ -6,7 +6,7 @@ The tree set comes from, in order: the `ENTMTP_TREE_SET` environment variable, S
 (`entmtp_sglang/trees/<name>-eagle-mixed.json`: entmtp-tiny, smollm2-135m-instruct). With none of these,
 ENTMTP starts uncalibrated: a generic set (`tree/generic.py`, sized by `--speculative-num-steps` and
 `--speculative-eagle-topk` when given) whose acceptance predictor and step costs are refitted online from
-verified steps (`policy/online.py`). A set calibrated for another model is refused (the message says
+verified steps (`calibrate/online.py`). A set calibrated for another model is refused (the message says
 which) unless `ENTMTP_FORCE_TREE_SET=1`. `ENTMTP_ONLINE_CALIBRATION=1` refits a calibrated set online too
 (its own predictor and costs are the prior). `ENTMTP_RECORD=FILE` appends one JSON line per verified step
 (what `entmtp calibrate --engine sglang` reads). `ENTMTP_GRAMMAR_DRAFT=0`

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..policy.online import OnlineCalibration, StepObservation, position_record
+from ..calibrate.online import OnlineCalibration, StepObservation, position_record
 from ..policy.signals import entropy_nats, top_margin
 from ..tree.treeset import TreeSet
 
