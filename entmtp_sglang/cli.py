@@ -41,7 +41,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt", action="append", required=True,
                    help="input text; repeat the flag for a batch of prompts")
     p.add_argument("--model", type=Path, default=None,
-                   help="model directory in Hugging Face layout (default: the bundled entmtp-tiny)")
+                   help="model directory in Hugging Face layout, or smollm2 (default: smollm2, SmolLM2-135M-Instruct, "
+                        "prepared on first use)")
     p.add_argument("--drafter", choices=("medusa", "hydra", "eagle"), default="medusa",
                    help="which multi-token-prediction drafter proposes tokens (default: medusa)")
     p.add_argument("--tree", default=None,
@@ -100,8 +101,15 @@ def _generate(args) -> int:
     from .model.load import ModelDirError
     from .model.prepare import PrepareError
 
+    model = args.model
+    if model is None:
+        from .model.prepare import DEFAULT_GENERATE_MODEL, model_spec
+
+        model = DEFAULT_GENERATE_MODEL
+        print(f"entmtp generate: no --model given, using {model_spec(model).name} (--model {model}); --model DIR "
+              "runs another", file=sys.stderr)
     try:
-        bundle = load_bundle(args.model, args.drafter)
+        bundle = load_bundle(model, args.drafter)
     except (ModelDirError, PrepareError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -426,6 +434,10 @@ def _read_tree(spec: str, tree_set=None):
         for entry in tree_set.trees:
             if entry.tree.name == spec:
                 return entry.tree
+    if spec.endswith(".json"):
+        what = "is a file" if Path(spec).exists() else "does not exist"
+        raise ValueError(f"--tree {spec!r}: {what}; --tree takes chain:N, a comma-separated parent array or, with "
+                         "--tree-set, the name of one of the set's trees (a tree-set file goes to --tree-set FILE)")
     try:
         return Tree.parse(spec)
     except ValueError as e:

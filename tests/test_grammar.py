@@ -196,11 +196,12 @@ def test_grammar_complete_and_length_incomplete(random_models, kind):
 def test_cli_prints_the_finish_reason(tmp_path, capsys):
     from entmtp_sglang.cli import main
 
-    assert main(["generate", "--prompt", "x = ", "--regex", "[a-z]{40}", "--max-new-tokens", "3",
-                 "--tree", "chain:2"]) == 0
+    assert main(["generate", "--model", str(BUNDLED_MODEL), "--prompt", "x = ", "--regex", "[a-z]{40}",
+                 "--max-new-tokens", "3", "--tree", "chain:2"]) == 0
     assert "-- finish: length: grammar incomplete" in capsys.readouterr().out
     (tmp_path / "yn.ebnf").write_text('root ::= "yes" | "no"')
-    assert main(["generate", "--prompt", "Is it? ", "--ebnf", str(tmp_path / "yn.ebnf"), "--tree", "chain:2"]) == 0
+    assert main(["generate", "--model", str(BUNDLED_MODEL), "--prompt", "Is it? ", "--ebnf", str(tmp_path / "yn.ebnf"),
+                 "--tree", "chain:2"]) == 0
     assert "-- finish: grammar_complete" in capsys.readouterr().out
 
 
