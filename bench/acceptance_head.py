@@ -23,7 +23,9 @@ from pathlib import Path
 
 import torch
 
-from entmtp_sglang.calibrate import cost_models_of, load_records, signals_of
+from entmtp_sglang.calibrate.build import signals_of
+from entmtp_sglang.calibrate.costs import cost_models_of
+from entmtp_sglang.calibrate.records import load_records
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.acceptance import fit_predictor
 from entmtp_sglang.tree.construct import greedy_tree

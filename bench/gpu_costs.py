@@ -1,6 +1,6 @@
 """Verification cost table: device time of one target pass over a token tree and of one drafter level, for
 Llama-shaped models with random weights (costs depend on shapes, not weights). `entmtp calibrate
---cost-table` reads the JSON (format: `entmtp_sglang/cost_table.py`).
+--cost-table` reads the JSON (format: `entmtp_sglang/calibrate/cost_table.py`).
 
     python3 bench/gpu_costs.py --out OUTDIR/gpu_costs.json              # CUDA: the three shapes, ~1-2 min
     python3 bench/gpu_costs.py --out /tmp/c.json --device cpu --shapes tiny --batches 1,2 --nodes 1,2,4 \\
@@ -34,8 +34,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from entmtp_sglang.calibrate import git_commit
-from entmtp_sglang.cost_table import DRAFTER_LEVEL, DRAFTERS, FORMAT, SHAPE_KEYS, TARGET, VERSION
+from entmtp_sglang.calibrate.cost_table import DRAFTER_LEVEL, DRAFTERS, FORMAT, SHAPE_KEYS, TARGET, VERSION
+from entmtp_sglang.calibrate.provenance import git_commit
 from entmtp_sglang.engine.batch_tree import pad_trees, tree_attention_mask
 from entmtp_sglang.kernels import flashinfer_available
 from entmtp_sglang.model.drafters import EagleDraft, HydraHead, MedusaHeads

@@ -23,10 +23,10 @@ import jsonschema
 import torch
 
 from entmtp_sglang.engine.engine import Engine, static_chooser
-from entmtp_sglang.engine.sampling import entropy_nats
 from entmtp_sglang.grammar import GrammarError, GrammarSpec, RequestGrammar, compile_grammar
 from entmtp_sglang.model.load import load_bundle
 from entmtp_sglang.policy.policies import EntMTPPolicy
+from entmtp_sglang.policy.signals import entropy_nats
 from entmtp_sglang.tasks import load_prompts, load_schema
 from entmtp_sglang.tree import from_sglang
 from entmtp_sglang.tree.treeset import load_tree_set

@@ -35,24 +35,16 @@ from pathlib import Path
 import torch
 
 from entmtp_sglang.bench.reference import EAGLE2_WIDE_NODES, NoDrafter
-from entmtp_sglang.calibrate import (
-    CalibrationConfig,
-    PositionRecord,
-    build_tree_set,
-    cost_models_of,
-    fit_step_cost,
-    load_records,
-    measure_step_costs,
-    paper_tree_set,
-    record_positions,
-    simulate,
-)
+from entmtp_sglang.calibrate.build import build_tree_set, paper_tree_set
+from entmtp_sglang.calibrate.costs import cost_models_of, fit_step_cost, measure_step_costs
+from entmtp_sglang.calibrate.records import CalibrationConfig, load_records, record_positions
+from entmtp_sglang.calibrate.replay import simulate
 from entmtp_sglang.engine.engine import Engine
 from entmtp_sglang.model.load import load_bundle
+from entmtp_sglang.policy.eagle2 import Eagle2Policy
 from entmtp_sglang.policy.policies import (
     HYSTERESIS,
     AdaptiveEMAPolicy,
-    Eagle2Policy,
     EntMTPPolicy,
     OraclePolicy,
     StaticPolicy,
@@ -61,6 +53,7 @@ from entmtp_sglang.policy.policies import (
 from entmtp_sglang.tasks import load_prompts
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.construct import accepted_on, independent_tree
+from entmtp_sglang.tree.records import PositionRecord
 from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, load_tree_set
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -26,7 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from entmtp_sglang.bench.sglang_server import ServerError, SGLangServer  # noqa: E402
+from entmtp_sglang.calibrate.server import ServerError, SGLangServer  # noqa: E402
 from entmtp_sglang.tasks import load_prompts, load_schema  # noqa: E402
 
 FLAGS = ("--dtype", "float32", "--constrained-json-disable-any-whitespace")

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from entmtp_sglang.bench.sglang_benchmark import concurrent_generate, machine
-from entmtp_sglang.bench.sglang_server import SGLangServer
+from entmtp_sglang.calibrate.server import SGLangServer
 from entmtp_sglang.model.prepare import resolve_alias
 from entmtp_sglang.sglang.config import resolve_tree_set_path
 from entmtp_sglang.tasks import load_prompts

@@ -45,11 +45,15 @@ import statistics
 import sys
 from pathlib import Path
 
-from entmtp_sglang.calibrate import PositionRecord, cost_models_of, load_records, pearson, signals_of, simulate
+from entmtp_sglang.calibrate.build import pearson, signals_of
+from entmtp_sglang.calibrate.costs import cost_models_of
+from entmtp_sglang.calibrate.records import load_records
+from entmtp_sglang.calibrate.replay import simulate
 from entmtp_sglang.policy.controller import RequestInput, StageInput, TreeController
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.acceptance import fit_predictor
 from entmtp_sglang.tree.construct import accepted_on, greedy_tree
+from entmtp_sglang.tree.records import PositionRecord
 from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, load_tree_set
 
 ROOT = Path(__file__).resolve().parent.parent

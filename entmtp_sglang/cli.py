@@ -7,7 +7,9 @@ import sys
 import time
 from pathlib import Path
 
-GENERATE_EPILOG = """\
+from .policy.registry import CLI_POLICIES, POLICIES, policy_help
+
+GENERATE_EPILOG_TEMPLATE = """\
 trees:
   chain:N          a chain of N drafted tokens after the root (chain:0 = plain decoding)
   -1,0,0,1         a parent array: node 0 is the root, each later node names its parent
@@ -16,19 +18,7 @@ trees:
   --tree-set TASK  the EntMTP policy over the tree set shipped for this model, drafter and task
   --tree-set FILE  ... or over a tree-set file (trees/*.json)
 policies (--policy):
-  entmtp           the default: entmtp-predictor where the set carries an acceptance predictor, else
-                   entmtp-bins
-  entmtp-bins      the set's signal bins (draft margin or entropy) -> the tree with the most expected
-                   tokens per second, with acceptance feedback and hysteresis
-  entmtp-predictor per-node acceptance predicted from the drafter's probabilities (OPT-Tree's objective)
-  entmtp-staged    entmtp-predictor, re-choosing after each drafted level among the prefixes of the
-                   chosen tree, with the drafted nodes' own probabilities (drafts and verifies less when
-                   the early drafts look weak)
-  entmtp-paper     the paper's rule: a sliding window of target entropy picks the bin (the set is rebuilt
-                   from its calibration records, which a checkout ships next to it)
-  static           one tree (--tree) every step
-  adaptive         SGLang's --speculative-adaptive rule: an EMA of accepted length picks the chain depth
-  eagle2           EAGLE-2 style: draft --tree, verify the --keep most confident nodes
+{policies}
 models:
   --model smollm2  SmolLM2-135M-Instruct, converted on first use (entmtp model prepare smollm2); its
                    prompts go through its chat template (--raw-prompt feeds them as they are)
@@ -40,10 +30,7 @@ examples:
   entmtp generate --model smollm2 --drafter hydra --tree-set math --policy entmtp-paper --prompt 'What is 12*7?'
   entmtp generate --prompt 'User: Tell me a story.\\nAssistant: ' --drafter eagle --tree=-1,0,0,1,1,2
 """
-
-
-POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor", "entmtp-staged", "entmtp-paper", "static", "adaptive",
-            "eagle2")
+GENERATE_EPILOG = GENERATE_EPILOG_TEMPLATE.replace("{policies}", policy_help())
 
 
 def _add_generate(sub) -> None:
@@ -54,7 +41,8 @@ def _add_generate(sub) -> None:
     p.add_argument("--prompt", action="append", required=True,
                    help="input text; repeat the flag for a batch of prompts")
     p.add_argument("--model", type=Path, default=None,
-                   help="model directory in Hugging Face layout (default: the bundled entmtp-tiny)")
+                   help="model directory in Hugging Face layout, or smollm2 (default: smollm2, SmolLM2-135M-Instruct, "
+                        "prepared on first use)")
     p.add_argument("--drafter", choices=("medusa", "hydra", "eagle"), default="medusa",
                    help="which multi-token-prediction drafter proposes tokens (default: medusa)")
     p.add_argument("--tree", default=None,
@@ -64,7 +52,7 @@ def _add_generate(sub) -> None:
                    help="run an EntMTP policy over a tree set instead of one --tree: a task name (code, math, "
                         "chat, prose, json, json-grammar, mixed) picks the set shipped for this model and "
                         "drafter, or give a tree-set JSON file")
-    p.add_argument("--policy", choices=POLICIES, default=None,
+    p.add_argument("--policy", choices=CLI_POLICIES, default=None,
                    help="how each step's tree is chosen (default: entmtp with --tree-set, else static); see "
                         "'policies' below")
     p.add_argument("--keep", type=int, default=8,
@@ -113,8 +101,15 @@ def _generate(args) -> int:
     from .model.load import ModelDirError
     from .model.prepare import PrepareError
 
+    model = args.model
+    if model is None:
+        from .model.prepare import DEFAULT_GENERATE_MODEL, model_spec
+
+        model = DEFAULT_GENERATE_MODEL
+        print(f"entmtp generate: no --model given, using {model_spec(model).name} (--model {model}); --model DIR "
+              "runs another", file=sys.stderr)
     try:
-        bundle = load_bundle(args.model, args.drafter)
+        bundle = load_bundle(model, args.drafter)
     except (ModelDirError, PrepareError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -220,7 +215,8 @@ def _calibrate(args) -> int:
     import torch
     from tqdm import tqdm
 
-    from .calibrate import CalibrationConfig, build_tree_set, load_records, plot_pareto, record_positions, save_records
+    from .calibrate.build import build_tree_set, plot_pareto
+    from .calibrate.records import CalibrationConfig, load_records, record_positions, save_records
     from .model.load import load_bundle
     from .tasks import TASKS, interleave, load_prompts
 
@@ -237,8 +233,8 @@ def _calibrate(args) -> int:
         return 2
     models = cost_source = None
     if args.cost_table:
-        from .calibrate import COST_BATCHES
-        from .cost_table import CostTableError, load_cost_table, step_cost_models_from_table
+        from .calibrate.cost_table import CostTableError, load_cost_table, step_cost_models_from_table
+        from .calibrate.costs import COST_BATCHES
 
         try:
             table = load_cost_table(args.cost_table)
@@ -319,7 +315,7 @@ def _calibrate(args) -> int:
 def _calibrate_sglang(args) -> int:
     from tqdm import tqdm
 
-    from .calibrate_sglang import SGLangCalibration, load_prompt_items, run
+    from .calibrate.through_sglang import SGLangCalibration, load_prompt_items, run
 
     if args.model_path is None or args.speculative_draft_model_path is None:
         print("error: --engine sglang needs --model-path and --speculative-draft-model-path", file=sys.stderr)
@@ -385,7 +381,8 @@ def _chooser(args, bundle):
     """(tree chooser, its name for the stats line) from --policy, --tree, --tree-set; ValueError names a
     bad combination."""
     from .engine.engine import static_chooser
-    from .policy.policies import AdaptiveEMAPolicy, Eagle2Policy, EntMTPPolicy, entmtp_policy
+    from .policy.eagle2 import Eagle2Policy
+    from .policy.policies import AdaptiveEMAPolicy, EntMTPPolicy, entmtp_policy
     from .tree import Tree
     from .tree.treeset import TreeSetError, load_tree_set, shipped_tree_set
 
@@ -401,14 +398,14 @@ def _chooser(args, bundle):
             ts = load_tree_set(path, model=bundle.path.name, drafter=args.drafter)
         except TreeSetError as e:
             raise ValueError(f"--tree-set: {e}") from None
-    if policy.startswith("entmtp"):
+    if POLICIES[policy].tree_set:
         if ts is None:
             raise ValueError(f"--policy {policy} chooses among the trees of a set: give --tree-set TASK|FILE")
         if args.tree:
             raise ValueError(f"--tree fixes one tree; --policy {policy} chooses among the set's (use --policy "
                              "static --tree NAME for one of them)")
-        if policy == "entmtp-paper":
-            from .calibrate import paper_tree_set
+        if POLICIES[policy].rebuilds_set:
+            from .calibrate.build import paper_tree_set
 
             records = path.with_suffix(".records.jsonl")
             if not records.exists():
@@ -437,6 +434,10 @@ def _read_tree(spec: str, tree_set=None):
         for entry in tree_set.trees:
             if entry.tree.name == spec:
                 return entry.tree
+    if spec.endswith(".json"):
+        what = "is a file" if Path(spec).exists() else "does not exist"
+        raise ValueError(f"--tree {spec!r}: {what}; --tree takes chain:N, a comma-separated parent array or, with "
+                         "--tree-set, the name of one of the set's trees (a tree-set file goes to --tree-set FILE)")
     try:
         return Tree.parse(spec)
     except ValueError as e:

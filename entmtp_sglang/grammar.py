@@ -142,6 +142,37 @@ class RequestGrammar:
 
 
 @lru_cache(maxsize=256)
+class GrammarDraftMasks:
+    """The draft mask of a batch's grammars (`RequestGrammar` or None per request), for grammar-aware drafting:
+    legal(parent_idx, tokens) -> (B, M, V): tokens each request's grammar allows after each parent."""
+
+    def __init__(self, grammars, root_masks: dict, vocab: int):
+        self.grammars, self.root_masks, self.vocab = grammars, root_masks, vocab
+        self.parents: torch.Tensor | None = None  # (B, N) of the padded trees being drafted
+
+    def __call__(self, parent_idx: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        b, m = parent_idx.shape
+        out = torch.ones((b, m, self.vocab), dtype=torch.bool)
+        for i, g in enumerate(self.grammars):
+            if g is None or i not in self.root_masks:
+                continue
+            for j, u in enumerate(parent_idx[i].tolist()):
+                if u == 0:
+                    out[i, j] = self.root_masks[i]
+                else:
+                    path = self._path(i, u, tokens)
+                    out[i, j] = g.path_mask(path)
+        return out
+
+    def _path(self, i: int, u: int, tokens: torch.Tensor) -> list[int]:
+        # parents are found through the padded tree rows the drafter is expanding
+        path = []
+        while u > 0:
+            path.append(int(tokens[i, u]))
+            u = int(self.parents[i, u])
+        return path[::-1]
+
+
 def _tree_layout(tree: Tree):
     b = build_buffers(tree)
     return b.retrieve_next_token, b.retrieve_next_sibling

@@ -80,3 +80,29 @@ def check_tree_args(parents: torch.Tensor, num_nodes: torch.Tensor) -> None:
         raise TypeError(f"parents/num_nodes must be integer tensors, got {parents.dtype}/{num_nodes.dtype}")
     if num_nodes.device != parents.device:
         raise ValueError("parents and num_nodes must be on the same device")
+
+
+def check_entropy_args(logits: torch.Tensor, temperature: float) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be (N, V), got shape {tuple(logits.shape)}")
+    if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise TypeError(f"logits must be float16/bfloat16/float32, got {logits.dtype}")
+    if logits.shape[1] == 0:
+        raise ValueError("logits must have V >= 1 columns")
+    if not temperature > 0.0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+
+
+def check_verify_args(
+    parents: torch.Tensor, num_nodes: torch.Tensor, draft_tokens: torch.Tensor, target_argmax: torch.Tensor
+) -> None:
+    check_tree_args(parents, num_nodes)
+    if parents.shape[1] == 0:
+        raise ValueError("trees need N >= 1 node slots (node 0 is the root)")
+    for name, t in (("draft_tokens", draft_tokens), ("target_argmax", target_argmax)):
+        if t.shape != parents.shape:
+            raise ValueError(f"{name} must have the shape of parents {tuple(parents.shape)}, got {tuple(t.shape)}")
+        if t.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
+        if t.device != parents.device:
+            raise ValueError(f"{name} must be on the device of parents")

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import Backend, resolve_backend
-
-
-def _check(logits: torch.Tensor, temperature: float) -> None:
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be (N, V), got shape {tuple(logits.shape)}")
-    if logits.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise TypeError(f"logits must be float16/bfloat16/float32, got {logits.dtype}")
-    if logits.shape[1] == 0:
-        raise ValueError("logits must have V >= 1 columns")
-    if not temperature > 0.0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+from ._backend import Backend, check_entropy_args, resolve_backend
 
 
 def softmax_entropy_torch(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """Pure-torch reference of :func:`softmax_entropy` (same semantics)."""
-    _check(logits, temperature)
+    check_entropy_args(logits, temperature)
     z = logits.float() / temperature  # (N, V)
     logp = torch.log_softmax(z, dim=-1)  # (N, V)
     p = logp.exp()  # (N, V)

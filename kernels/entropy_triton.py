@@ -6,8 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import device_of
-from .entropy import _check
+from ._backend import check_entropy_args, device_of
 
 
 @triton.jit
@@ -46,7 +45,7 @@ def _softmax_entropy_kernel(
 
 def softmax_entropy_triton(logits: torch.Tensor, temperature: float = 1.0, block_v: int | None = None) -> torch.Tensor:
     """Triton backend of :func:`softmax_entropy`; ``block_v`` (power of two) overrides the V tile."""
-    _check(logits, temperature)
+    check_entropy_args(logits, temperature)
     n, v = logits.shape
     out = torch.empty(n, dtype=torch.float32, device=logits.device)  # (N,)
     if n == 0:

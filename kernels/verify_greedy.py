@@ -4,29 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from ._backend import Backend, check_tree_args, resolve_backend
-
-
-def _check(
-    parents: torch.Tensor, num_nodes: torch.Tensor, draft_tokens: torch.Tensor, target_argmax: torch.Tensor
-) -> None:
-    check_tree_args(parents, num_nodes)
-    if parents.shape[1] == 0:
-        raise ValueError("trees need N >= 1 node slots (node 0 is the root)")
-    for name, t in (("draft_tokens", draft_tokens), ("target_argmax", target_argmax)):
-        if t.shape != parents.shape:
-            raise ValueError(f"{name} must have the shape of parents {tuple(parents.shape)}, got {tuple(t.shape)}")
-        if t.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"{name} must be an integer tensor, got {t.dtype}")
-        if t.device != parents.device:
-            raise ValueError(f"{name} must be on the device of parents")
+from ._backend import Backend, check_verify_args, resolve_backend
 
 
 def verify_tree_greedy_torch(
     parents: torch.Tensor, num_nodes: torch.Tensor, draft_tokens: torch.Tensor, target_argmax: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Pure-torch reference of :func:`verify_tree_greedy` (same semantics)."""
-    _check(parents, num_nodes, draft_tokens, target_argmax)
+    check_verify_args(parents, num_nodes, draft_tokens, target_argmax)
     b, n = parents.shape
     dev = parents.device
     idx = torch.arange(n, device=dev)  # (N,)

@@ -6,8 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backend import device_of
-from .verify_greedy import _check
+from ._backend import check_verify_args, device_of
 
 
 @triton.jit
@@ -58,7 +57,7 @@ def verify_tree_greedy_triton(
     parents: torch.Tensor, num_nodes: torch.Tensor, draft_tokens: torch.Tensor, target_argmax: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton backend of :func:`verify_tree_greedy`."""
-    _check(parents, num_nodes, draft_tokens, target_argmax)
+    check_verify_args(parents, num_nodes, draft_tokens, target_argmax)
     b, n = parents.shape
     dev = parents.device
     accept_len = torch.empty(b, dtype=torch.int64, device=dev)  # (B,)

@@ -215,8 +215,8 @@ from entmtp_sglang.bench.sglang_benchmark import (  # noqa: E402
     SystemSpec,
     spec_counts,
 )
-from entmtp_sglang.bench.sglang_server import ServerError, SGLangServer  # noqa: E402
 from entmtp_sglang.bench.systems import Stream, TaskStreams  # noqa: E402
+from entmtp_sglang.calibrate.server import ServerError, SGLangServer  # noqa: E402
 
 EAGLE = sglang_systems.EAGLE_STATIC
 

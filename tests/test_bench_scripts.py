@@ -70,7 +70,8 @@ def test_signal_study_finds_the_informative_signal():
     nearly all of the oracle's edge in replay, binning on the entropy none of it."""
     import random
 
-    from entmtp_sglang.calibrate import PositionRecord, StepCostModel
+    from entmtp_sglang.calibrate.costs import StepCostModel
+    from entmtp_sglang.tree.records import PositionRecord
 
     signals = load_script("signals")
     rng = random.Random(0)
@@ -105,7 +106,8 @@ def test_the_bounds_know_only_their_own_quantity():
     nothing over the best static tree, knowing the chain length gains the oracle's edge."""
     import random
 
-    from entmtp_sglang.calibrate import PositionRecord, StepCostModel
+    from entmtp_sglang.calibrate.costs import StepCostModel
+    from entmtp_sglang.tree.records import PositionRecord
 
     signals = load_script("signals")
     rng = random.Random(1)

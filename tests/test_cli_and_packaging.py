@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 
 from entmtp_sglang.cli import main
+from entmtp_sglang.model.load import BUNDLED_MODEL
 
 ROOT = Path(__file__).resolve().parent.parent
+TINY = ["--model", str(BUNDLED_MODEL)]  # the bundled toy model (`entmtp generate` defaults to SmolLM2)
 
 
 def test_help_explains_every_option(capsys):
@@ -35,7 +37,7 @@ def test_help_explains_every_option(capsys):
     (["--temperature", "-1"], "temperature must be >= 0"),
 ])
 def test_bad_input_gets_a_clear_error(capsys, argv, message):
-    code = main(["generate", "--prompt", "def f(x):", "--drafter", "hydra"] + argv)
+    code = main(["generate", *TINY, "--prompt", "def f(x):", "--drafter", "hydra"] + argv)
     err = capsys.readouterr().err
     assert code == 2
     assert message in err and "Traceback" not in err
@@ -50,7 +52,7 @@ def test_bad_input_gets_a_clear_error(capsys, argv, message):
     (["--tree-set", "code", "--policy", "static", "--tree", "chain:0"], "tree=chain:0"),
 ])
 def test_every_policy_runs_from_the_cli(capsys, argv, name):
-    assert main(["generate", "--prompt", "def f(x):", "--drafter", "hydra", "--max-new-tokens", "8"] + argv) == 0
+    assert main(["generate", *TINY, "--prompt", "def f(x):", "--drafter", "hydra", "--max-new-tokens", "8"] + argv) == 0
     assert name in capsys.readouterr().out
 
 
@@ -61,8 +63,8 @@ def test_tree_by_name_from_the_set_and_policy_errors(capsys, tmp_path):
 
     data = json.loads(shipped_tree_set("hydra", "code").read_text())
     named = data["trees"][-1]["name"]
-    assert main(["generate", "--prompt", "x", "--drafter", "hydra", "--max-new-tokens", "4", "--tree-set", "code",
-                 "--policy", "static", "--tree", named]) == 0
+    assert main(["generate", *TINY, "--prompt", "x", "--drafter", "hydra", "--max-new-tokens", "4",
+                 "--tree-set", "code", "--policy", "static", "--tree", named]) == 0
     assert f"tree={named}" in capsys.readouterr().out
     data.pop("predictor", None)
     bare = tmp_path / "bare.json"
@@ -74,18 +76,18 @@ def test_tree_by_name_from_the_set_and_policy_errors(capsys, tmp_path):
         (["--tree-set", str(bare), "--policy", "entmtp-paper"], "bare.records.jsonl does not exist"),
         (["--tree-set", "code", "--policy", "static", "--tree", "nope"], "the set's trees: chain:0"),
     ]:
-        assert main(["generate", "--prompt", "x", "--drafter", "hydra"] + argv) == 2, argv
+        assert main(["generate", *TINY, "--prompt", "x", "--drafter", "hydra"] + argv) == 2, argv
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err, (argv, err)
 
 
 def test_empty_prompt_is_refused(capsys):
-    assert main(["generate", "--prompt", ""]) == 2
+    assert main(["generate", *TINY, "--prompt", ""]) == 2
     assert "empty prompt" in capsys.readouterr().err
 
 
 def test_generate_prints_text_and_stats(capsys):
-    assert main(["generate", "--prompt", '{"name": ', "--drafter", "medusa", "--tree=-1,0,0,1",
+    assert main(["generate", *TINY, "--prompt", '{"name": ', "--drafter", "medusa", "--tree=-1,0,0,1",
                  "--max-new-tokens", "12"]) == 0
     out = capsys.readouterr().out
     assert out.startswith('{"name": ')
@@ -105,6 +107,8 @@ def test_wheel_carries_kernels_trees_model_and_shadows_nothing(tmp_path):
     assert "entmtp_sglang/models/entmtp-tiny/model.safetensors" in names
     assert "entmtp_sglang/models/entmtp-tiny/eagle/model.safetensors" in names
     assert "entmtp_sglang/data/prompts/code.jsonl" in names
+    # test-only code stays next to the tests (tests/helpers/)
+    assert not any(n.endswith(("/testing.py", "/tiny_checkpoints.py")) for n in names)
 
 
 def test_public_entry_runs_entmtp_end_to_end():

@@ -174,3 +174,20 @@ def test_backing_off_rests_the_drafter_1_2_4_steps_until_a_tree_pays_again():
     assert not TreeController(_set(), max_rest=0).rests(["a"])
     with pytest.raises(ValueError, match="max_rest"):
         TreeController(_set(), max_rest=-1)
+
+
+def test_the_controller_is_what_engines_call_a_tree_chooser():
+    from entmtp_sglang.policy.chooser import TreeChooser
+    from entmtp_sglang.tree.treeset import load_tree_set, shipped_tree_set
+
+    assert isinstance(TreeController(load_tree_set(shipped_tree_set("hydra", "code"))), TreeChooser)
+
+
+def test_one_policy_registry_feeds_the_cli_the_server_and_entmtp_policy():
+    from entmtp_sglang import cli
+    from entmtp_sglang.policy.registry import CLI_POLICIES, ENTMTP_POLICIES, POLICIES, SERVER_POLICIES
+    from entmtp_sglang.sglang.config import SERVER_POLICIES as server
+
+    assert server is SERVER_POLICIES and set(SERVER_POLICIES) <= set(ENTMTP_POLICIES) <= set(CLI_POLICIES)
+    assert all(f"  {name:<16} " in cli.GENERATE_EPILOG for name in CLI_POLICIES) and "oracle" not in CLI_POLICIES
+    assert set(POLICIES) == set(CLI_POLICIES) | {"oracle"}

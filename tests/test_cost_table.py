@@ -9,9 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from entmtp_sglang.calibrate import COST_BATCHES, cost_grid, fit_step_cost
+from entmtp_sglang.calibrate.cost_table import (
+    CostTableError,
+    level_widths,
+    load_cost_table,
+    step_cost_models_from_table,
+)
+from entmtp_sglang.calibrate.costs import COST_BATCHES, cost_grid, fit_step_cost
 from entmtp_sglang.cli import main
-from entmtp_sglang.cost_table import CostTableError, level_widths, load_cost_table, step_cost_models_from_table
 from entmtp_sglang.model.llama import LlamaShape
 from entmtp_sglang.model.load import BUNDLED_MODEL
 from entmtp_sglang.tree import Tree

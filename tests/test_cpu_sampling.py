@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.testing import chi_square_pvalue
 
 from entmtp_sglang.sglang.sampling import top_k_renorm_prob, top_p_renorm_prob, tree_speculative_sampling_target_only
-from entmtp_sglang.testing import chi_square_pvalue
 from entmtp_sglang.tree import Tree, build_buffers
 
 VOCAB = 8

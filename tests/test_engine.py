@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entmtp_sglang.engine.engine import Engine, RequestError, StepView, static_chooser
+from entmtp_sglang.engine.engine import Engine, RequestError, static_chooser
 from entmtp_sglang.engine.plain import generate_plain
 from entmtp_sglang.engine.sampling import SamplingParams
+from entmtp_sglang.policy.chooser import StepView
 from entmtp_sglang.tree import Tree, TreeError, from_medusa_choices, from_sglang
 
 TREES = [Tree.chain(d) for d in range(1, 6)] + [
@@ -125,7 +126,7 @@ def test_sampled_speculation_matches_plain_sampling_distribution(random_models):
 
 
 def test_dynamic_eagle2_trees_are_lossless(random_models):
-    from entmtp_sglang.engine.engine import DynamicTree
+    from entmtp_sglang.policy.eagle2 import DynamicTree
 
     target, drafters = random_models
     prompts = _prompts(3, seed=7)
@@ -139,7 +140,7 @@ def test_dynamic_eagle2_trees_are_lossless(random_models):
 
 
 def test_prune_by_confidence_keeps_a_prefix_closed_subtree():
-    from entmtp_sglang.engine.engine import prune_by_confidence, subtree
+    from entmtp_sglang.policy.eagle2 import prune_by_confidence, subtree
 
     #      0
     #    /   \        log-probs: 1: -0.1, 2: -1.0, 3: -0.2, 4: -3.0, 5: -0.1

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from entmtp_sglang.cost_table import DRAFTERS, load_cost_table
+from entmtp_sglang.calibrate.cost_table import DRAFTERS, load_cost_table
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "gpu_check.sh"

@@ -196,18 +196,19 @@ def test_grammar_complete_and_length_incomplete(random_models, kind):
 def test_cli_prints_the_finish_reason(tmp_path, capsys):
     from entmtp_sglang.cli import main
 
-    assert main(["generate", "--prompt", "x = ", "--regex", "[a-z]{40}", "--max-new-tokens", "3",
-                 "--tree", "chain:2"]) == 0
+    assert main(["generate", "--model", str(BUNDLED_MODEL), "--prompt", "x = ", "--regex", "[a-z]{40}",
+                 "--max-new-tokens", "3", "--tree", "chain:2"]) == 0
     assert "-- finish: length: grammar incomplete" in capsys.readouterr().out
     (tmp_path / "yn.ebnf").write_text('root ::= "yes" | "no"')
-    assert main(["generate", "--prompt", "Is it? ", "--ebnf", str(tmp_path / "yn.ebnf"), "--tree", "chain:2"]) == 0
+    assert main(["generate", "--model", str(BUNDLED_MODEL), "--prompt", "Is it? ", "--ebnf", str(tmp_path / "yn.ebnf"),
+                 "--tree", "chain:2"]) == 0
     assert "-- finish: grammar_complete" in capsys.readouterr().out
 
 
 def test_the_observer_sees_the_grammar_masked_draft(random_models):
     """A batch policy reads the drafter through the observer; under grammar drafting it must see the same
     masked distribution as each request's StepView (whose draft entropy is taken after the mask)."""
-    from entmtp_sglang.engine.sampling import entropy_nats
+    from entmtp_sglang.policy.signals import entropy_nats
 
     target, drafters = random_models
     engine = Engine(target, "hydra", drafters["hydra"])

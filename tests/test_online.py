@@ -1,4 +1,4 @@
-"""Calibration from verified steps (policy/online.py), the generic set (tree/generic.py), the recording trees
+"""Calibration from verified steps (calibrate/online.py), the generic set (tree/generic.py), the recording trees
 of `entmtp calibrate --engine sglang`, and ENTMTP's tree-set resolution without a set for the model. No SGLang."""
 
 from __future__ import annotations
@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from entmtp_sglang.calibrate_sglang import cost_grid, record_tree, records_of, step_seconds
+from entmtp_sglang.calibrate.costs import cost_grid
+from entmtp_sglang.calibrate.online import OnlineCalibration, StepObservation, fit_costs, position_record
+from entmtp_sglang.calibrate.through_sglang import record_tree, records_of, step_seconds
 from entmtp_sglang.policy.controller import RequestInput, TreeController
-from entmtp_sglang.policy.online import OnlineCalibration, StepObservation, fit_costs, position_record
 from entmtp_sglang.sglang.config import EntMtpConfig
 from entmtp_sglang.sglang.recording import record_row
 from entmtp_sglang.sglang.tree_plan import plan_tree, required_topk

@@ -9,11 +9,16 @@ import torch
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from entmtp_sglang.engine.engine import StepRecord, StepView
-from entmtp_sglang.engine.sampling import entropy_nats
+from entmtp_sglang.policy.chooser import StepRecord, StepView
 from entmtp_sglang.policy.policies import AdaptiveEMAPolicy, EntMTPPolicy, StaticPolicy
 from entmtp_sglang.policy.selector import select_tree
-from entmtp_sglang.policy.signals import draft_signal, least_predictable, recent_target_entropies, signal_value
+from entmtp_sglang.policy.signals import (
+    draft_signal,
+    entropy_nats,
+    least_predictable,
+    recent_target_entropies,
+    signal_value,
+)
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.construct import accepted_on, expected_accepted, greedy_tree, independent_tree, pareto_front
 from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, TreeSetError, from_json, load_tree_set
@@ -191,7 +196,7 @@ def test_entmtp_policy_picks_by_entropy():
 
 
 def test_step_cost_fit_recovers_a_linear_cost_and_drops_negative_terms():
-    from entmtp_sglang.calibrate import fit_step_cost
+    from entmtp_sglang.calibrate.costs import fit_step_cost
 
     trees = [Tree.chain(0), Tree.chain(2), Tree.chain(4), Tree((-1, 0, 0, 0, 1, 2)), Tree((-1, 0, 0, 0, 0, 0, 0))]
     seconds = [0.010 + 0.0005 * t.num_nodes + 0.003 * t.max_depth for t in trees]
@@ -206,7 +211,7 @@ def test_step_cost_fit_recovers_a_linear_cost_and_drops_negative_terms():
 def test_chain0_keeps_its_measured_cost_apart_from_the_line():
     """One token per row is a matrix-vector product on a CPU, two or more a matrix product: a speculating
     step jumps above the plain one, and a line through both would price no speculation too high."""
-    from entmtp_sglang.calibrate import StepCostModel, cost_models_of, fit_step_cost
+    from entmtp_sglang.calibrate.costs import StepCostModel, cost_models_of, fit_step_cost
     from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, from_json
 
     trees = [Tree.chain(0), Tree.chain(1), Tree.chain(2), Tree.chain(4), Tree((-1, 0, 0, 0, 1, 2))]
@@ -230,7 +235,7 @@ def test_chain0_keeps_its_measured_cost_apart_from_the_line():
 def test_step_costs_are_measured_in_situ_for_every_tree(random_models):
     from types import SimpleNamespace
 
-    from entmtp_sglang.calibrate import measure_step_costs
+    from entmtp_sglang.calibrate.costs import measure_step_costs
 
     target, drafters = random_models
     bundle = SimpleNamespace(target=target, drafter_kind="hydra", drafter=drafters["hydra"])
@@ -409,7 +414,9 @@ def test_cost_is_that_of_every_row_the_engine_computes():
 
 
 def test_records_keep_the_margin_and_read_older_files(tmp_path):
-    from entmtp_sglang.calibrate import PositionRecord, load_records, save_records, signals_of
+    from entmtp_sglang.calibrate.build import signals_of
+    from entmtp_sglang.calibrate.records import load_records, save_records
+    from entmtp_sglang.tree.records import PositionRecord
 
     recs = [PositionRecord(0, i, 1.0 + i, 2.0, (0, 1), 0.5 - 0.1 * i) for i in range(3)]
     path = tmp_path / "r.jsonl"
@@ -427,7 +434,10 @@ def test_calibration_picks_the_signal_that_predicts_acceptance():
     is honoured; reused cost models are not re-measured."""
     import random
 
-    from entmtp_sglang.calibrate import CalibrationConfig, PositionRecord, StepCostModel, build_tree_set
+    from entmtp_sglang.calibrate.build import build_tree_set
+    from entmtp_sglang.calibrate.costs import StepCostModel
+    from entmtp_sglang.calibrate.records import CalibrationConfig
+    from entmtp_sglang.tree.records import PositionRecord
 
     rng = random.Random(0)
     recs = []
@@ -459,7 +469,8 @@ def test_every_shipped_tree_set_loads_with_its_records():
     correlations, and holds chain:0 or deeper trees within its drafter's depth."""
     from pathlib import Path
 
-    from entmtp_sglang.calibrate import load_records, signals_of
+    from entmtp_sglang.calibrate.build import signals_of
+    from entmtp_sglang.calibrate.records import load_records
 
     root = Path(__file__).resolve().parent.parent / "trees"
     paths = sorted(root.glob("entmtp-tiny-*.json"))

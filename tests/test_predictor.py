@@ -5,11 +5,12 @@ import random
 
 import pytest
 
-from entmtp_sglang.calibrate import PositionRecord, load_records, save_records
+from entmtp_sglang.calibrate.records import load_records, save_records
 from entmtp_sglang.policy.selector import predicted_expected, select_by_expected
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.acceptance import AcceptancePredictor, IsotonicMap, fit_predictor, isotonic
 from entmtp_sglang.tree.construct import accepted_on
+from entmtp_sglang.tree.records import PositionRecord
 from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, TreeSetError, from_json
 
 

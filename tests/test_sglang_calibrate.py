@@ -17,12 +17,11 @@ import subprocess
 import sys
 
 import pytest
-
-from entmtp_sglang.testing import import_sglang_or_skip
+from helpers.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 
-from entmtp_sglang.bench.sglang_server import SGLangServer, cpu_args, free_port  # noqa: E402
+from entmtp_sglang.calibrate.server import SGLangServer, cpu_args, free_port  # noqa: E402
 from entmtp_sglang.model.load import BUNDLED_MODEL  # noqa: E402
 from entmtp_sglang.tasks import load_prompts  # noqa: E402
 from entmtp_sglang.tree.treeset import load_tree_set  # noqa: E402

@@ -10,7 +10,7 @@
   here is the whole vocabulary in reverse, so drafts are only accepted if ENTMTP maps every drafted index
   back to its token.
 
-The checkpoints are tiny, random but shaped so drafts are often accepted (entmtp_sglang/sglang/
+The checkpoints are tiny, random but shaped so drafts are often accepted (tests/helpers/
 tiny_checkpoints.py), written into a tmp dir, with a copy of the bundled tree set renamed for them. Per
 kind, one pair of servers: SGLang without speculation (`torch_native`, the reference) and ENTMTP, both
 float32. Requests pin trees (`custom_params`): ENTMTP's own policy decodes a random draft's flat
@@ -23,14 +23,15 @@ import concurrent.futures as cf
 import json
 
 import pytest
+from helpers.testing import import_sglang_or_skip
 
 from entmtp_sglang.tasks import load_prompts
-from entmtp_sglang.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 
-from entmtp_sglang.bench.sglang_server import SGLangServer, cpu_args, free_port  # noqa: E402
-from entmtp_sglang.sglang import tiny_checkpoints as tiny  # noqa: E402
+from helpers import tiny_checkpoints as tiny  # noqa: E402
+
+from entmtp_sglang.calibrate.server import SGLangServer, cpu_args, free_port  # noqa: E402
 from entmtp_sglang.sglang.config import ENV_TREE_SET, shipped_tree_set  # noqa: E402
 from entmtp_sglang.tree.treeset import load_tree_set  # noqa: E402
 

@@ -12,10 +12,10 @@ import math
 
 import pytest
 import torch
+from helpers.testing import import_sglang_or_skip
 
 from entmtp_sglang.model.load import BUNDLED_MODEL
 from entmtp_sglang.tasks import load_prompts, load_schema
-from entmtp_sglang.testing import import_sglang_or_skip
 
 XGrammarGrammarBackend = import_sglang_or_skip("sglang.srt.constrained.xgrammar_backend").XGrammarGrammarBackend
 

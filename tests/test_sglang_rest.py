@@ -14,13 +14,13 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers.testing import import_sglang_or_skip
 
 from entmtp_sglang.tasks import load_prompts
-from entmtp_sglang.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 
-from entmtp_sglang.bench.sglang_server import SGLangServer  # noqa: E402
+from entmtp_sglang.calibrate.server import SGLangServer  # noqa: E402
 from entmtp_sglang.tree.treeset import load_tree_set  # noqa: E402
 
 pytestmark = pytest.mark.sglang

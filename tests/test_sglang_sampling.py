@@ -15,12 +15,11 @@ import concurrent.futures as cf
 
 import pytest
 import torch
-
-from entmtp_sglang.testing import chi_square_pvalue, import_sglang_or_skip
+from helpers.testing import chi_square_pvalue, import_sglang_or_skip
 
 import_sglang_or_skip()
 
-from entmtp_sglang.bench.sglang_server import SGLangServer  # noqa: E402
+from entmtp_sglang.calibrate.server import SGLangServer  # noqa: E402
 from entmtp_sglang.model.load import BUNDLED_MODEL, load_bundle, load_target  # noqa: E402
 from entmtp_sglang.tasks import load_prompts  # noqa: E402
 

@@ -15,13 +15,13 @@ import re
 import time
 
 import pytest
+from helpers.testing import import_sglang_or_skip
 
 from entmtp_sglang.tasks import load_prompts, load_schema
-from entmtp_sglang.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 
-from entmtp_sglang.bench.sglang_server import SGLangServer  # noqa: E402
+from entmtp_sglang.calibrate.server import SGLangServer  # noqa: E402
 
 pytestmark = pytest.mark.sglang
 MAX_NEW = 32
@@ -126,7 +126,7 @@ def test_json_schema_requests_return_valid_json(servers):
 
 
 def test_unsupported_schema_gets_a_clear_error_and_the_server_keeps_serving(servers):
-    from entmtp_sglang.bench.sglang_server import ServerError
+    from entmtp_sglang.calibrate.server import ServerError
 
     _, ent = servers
     schema = {"type": "object", "properties": {"u": {"type": "string", "format": "relative-uri"}}}
@@ -147,7 +147,7 @@ def test_unsupported_schema_gets_a_clear_error_and_the_server_keeps_serving(serv
 def test_bad_requests_get_400_and_the_server_keeps_serving(servers, job, message):
     """Found by an outside test: an empty prompt or an id outside the vocabulary killed every server
     process; an unknown pin was silently ignored (HTTP 200)."""
-    from entmtp_sglang.bench.sglang_server import ServerError
+    from entmtp_sglang.calibrate.server import ServerError
 
     _, ent = servers
     job = {**job, "sampling_params": {"max_new_tokens": 8, "temperature": 0, **job.get("sampling_params", {})}}

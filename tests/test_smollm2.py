@@ -125,15 +125,85 @@ def test_cli_reports_a_bad_model_directory_in_one_line(tmp_path, capsys):
     assert "does not exist" in err and "Traceback" not in err
 
 
+def _foreign_drafter(kind: str, root: Path) -> Path:
+    """The bundled model with a `kind` drafter trained for another target (hidden 32, vocab 97): random weights,
+    as the drafter of one model copied into another's directory (SmolLM2's with entmtp-tiny's drafter)."""
+    from safetensors.torch import save_file
+
+    from entmtp_sglang.model.drafters import build_drafter
+    from entmtp_sglang.model.llama import LlamaShape
+
+    d = root / "model"
+    shutil.copytree(BUNDLED_MODEL, d)
+    other = LlamaShape(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    module = build_drafter(kind, other, num_heads=5)
+    save_file({k: v.contiguous() for k, v in module.state_dict().items() if not k.startswith("rotary")},
+              str(d / kind / "model.safetensors"))
+    cfg = json.loads((d / kind / "config.json").read_text())
+    cfg.update({k: getattr(other, k) for k in ("vocab_size", "hidden_size")})
+    if kind == "eagle":
+        cfg.update(intermediate_size=64, num_attention_heads=4, num_key_value_heads=2)
+    (d / kind / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("eagle", r"its vocab_size 97 \(the target's 4096\) and hidden_size 32 \(the target's 256\); was it trained"),
+    ("hydra", r"its \S+ is \[.*\], the target needs \[.*\] \(and \d+ more weights\); was it trained"),
+])
+def test_a_drafter_of_another_shape_is_refused_in_one_line(tmp_path, capsys, kind, message):
+    """Before, an EAGLE drafter of another model loaded and then failed deep in its embedding (IndexError, a
+    40-line traceback), and a Hydra drafter's error carried every size mismatch (24 lines)."""
+    from entmtp_sglang.cli import main
+
+    d = _foreign_drafter(kind, tmp_path)
+    with pytest.raises(ModelDirError, match=message):
+        load_bundle(d, kind)
+    assert main(["generate", "--model", str(d), "--drafter", kind, "--prompt", "hi", "--max-new-tokens", "4"]) == 2
+    err = capsys.readouterr().err
+    assert re.search(message, err) and "Traceback" not in err and err.count("\n") == 1, err
+
+
+def test_generate_without_a_model_runs_smollm2_and_says_so(capsys, monkeypatch):
+    from entmtp_sglang import cli
+
+    seen = []
+
+    def refuse(model, drafter):  # stop before loading: which model was asked for is the point
+        seen.append(model)
+        raise ModelDirError("stop here")
+
+    monkeypatch.setattr("entmtp_sglang.model.load.load_bundle", refuse)
+    assert cli.main(["generate", "--prompt", "hi"]) == 2
+    assert seen == ["smollm2"]
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == ("entmtp generate: no --model given, using smollm2-135m-instruct (--model smollm2); "
+                      "--model DIR runs another") and err[1] == "error: stop here"
+
+
+def test_a_missing_tree_file_is_named_as_missing(capsys, tmp_path):
+    from entmtp_sglang.cli import main
+
+    tiny = ["generate", "--model", str(BUNDLED_MODEL), "--prompt", "x", "--drafter", "hydra"]
+    assert main([*tiny, "--tree", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert "missing.json' does not exist" in err and "parent index" not in err and "Traceback" not in err
+    (tmp_path / "set.json").write_text("{}")
+    assert main([*tiny, "--tree", str(tmp_path / "set.json")]) == 2
+    err = capsys.readouterr().err
+    assert "set.json' is a file" in err and "--tree-set FILE" in err and "Traceback" not in err
+
+
 def test_cli_generate_runs_the_entmtp_policy_over_a_shipped_tree_set(capsys):
     from entmtp_sglang.cli import main
 
-    assert main(["generate", "--prompt", "def add(a, b):", "--drafter", "hydra", "--tree-set", "code",
-                 "--max-new-tokens", "8", "--threads", "1"]) == 0
+    assert main(["generate", "--model", str(BUNDLED_MODEL), "--prompt", "def add(a, b):", "--drafter", "hydra",
+                 "--tree-set", "code", "--max-new-tokens", "8", "--threads", "1"]) == 0
     # the default EntMTP policy (entmtp-predictor where the set carries a predictor, as every shipped one does)
     assert re.search(r"tree=entmtp(-predictor)?:entmtp-tiny-hydra-code", capsys.readouterr().out)
-    assert main(["generate", "--prompt", "x", "--drafter", "hydra", "--tree-set", "poetry",
-                 "--max-new-tokens", "2"]) == 2
+    assert main(["generate", "--model", str(BUNDLED_MODEL), "--prompt", "x", "--drafter", "hydra",
+                 "--tree-set", "poetry", "--max-new-tokens", "2"]) == 2
     assert "--tree-set" in capsys.readouterr().err
 
 

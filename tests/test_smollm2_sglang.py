@@ -7,12 +7,11 @@ Two servers (float32, about a minute each to start). The model is prepared from 
 from __future__ import annotations
 
 import pytest
-
-from entmtp_sglang.testing import import_sglang_or_skip
+from helpers.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 
-from entmtp_sglang.bench.sglang_server import SGLangServer  # noqa: E402
+from entmtp_sglang.calibrate.server import SGLangServer  # noqa: E402
 from entmtp_sglang.model import prepare as prep  # noqa: E402
 from entmtp_sglang.tasks import load_prompts, prompt_text  # noqa: E402
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entmtp_sglang.engine.sampling import SamplingParams, entropy_nats, probs_from_logits
+from entmtp_sglang.engine.sampling import SamplingParams, probs_from_logits
 from entmtp_sglang.engine.verify import verify_greedy, verify_node_sampling, verify_sampling
+from entmtp_sglang.policy.signals import entropy_nats
 from entmtp_sglang.tree import Tree, build_buffers
 
 #        0 (root, token 7)

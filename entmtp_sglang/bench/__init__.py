@@ -8,13 +8,13 @@
     report.py     Markdown tables, JSON lines, plots
     config.py     BenchConfig and the --quick settings
     cli.py        the `entmtp bench` subcommand
-    sglang_server.py     one SGLang server process for tests and benchmarks (started, waited on, killed as a group)
     sglang_benchmark.py  SGLang configurations side by side (bench/sglang_cpu.py), the server pool
     sglang_costs.py      ENTMTP's tree costs measured inside an SGLang server (python -m ...bench.sglang_costs)
     sglang_systems.py    those SGLang configurations as `entmtp bench` systems
 
 Every benchmark's library code lives here; bench/ holds the scripts that run them. The SGLang adapter
-(entmtp_sglang/sglang/) holds only what SGLang loads.
+(entmtp_sglang/sglang/) holds only what SGLang loads; the SGLang server launcher the benchmarks and the tests
+start servers with is calibration's (entmtp_sglang/calibrate/server.py).
 
 Import from the submodules (this package imports nothing, so `entmtp --help` stays fast).
 """

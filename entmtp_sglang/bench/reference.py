@@ -25,10 +25,14 @@ from collections import Counter
 
 import torch
 
-from ..calibrate import CalibrationConfig, fit_step_cost, load_records, record_positions
-from ..engine.engine import Engine, StepView, static_chooser
+from ..calibrate.costs import fit_step_cost
+from ..calibrate.records import CalibrationConfig, load_records, record_positions
+from ..engine.engine import Engine, static_chooser
 from ..model.load import load_bundle
-from ..policy.policies import AdaptiveEMAPolicy, Eagle2Policy, OraclePolicy, StaticPolicy, entmtp_policy
+from ..policy.chooser import StepView
+from ..policy.eagle2 import Eagle2Policy
+from ..policy.policies import AdaptiveEMAPolicy, OraclePolicy, StaticPolicy, entmtp_policy
+from ..policy.registry import POLICIES
 from ..policy.selector import speculation_pays
 from ..tasks import TASKS as PROMPT_TASKS
 from ..tasks import load_prompts
@@ -480,6 +484,7 @@ _KINDS = {
                         "no drafter when no tree can beat plain decoding at the batch size"),
     "oracle": (_Oracle, "best tree of the EntMTP set at every step, in hindsight (ceiling)"),
 }
+assert set(_KINDS) <= set(POLICIES), "every reference system kind is a policy of policy/registry.py"
 for _kind, (_cls, _desc) in _KINDS.items():
     for _drafter in ("medusa", "hydra"):
         register_system(f"{_kind}-{_drafter}", "reference", f"{_desc}; {_drafter} drafter")(

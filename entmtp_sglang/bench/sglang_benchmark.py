@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..calibrate.server import ServerError, SGLangServer
 from ..tasks import load_prompts
-from .sglang_server import ServerError, SGLangServer
 
 FLOAT32 = ("--dtype", "float32")  # float32 keeps near-tied argmaxes from flipping between batch shapes
 

@@ -27,10 +27,11 @@ import sys
 import time
 from pathlib import Path
 
+from ..calibrate.provenance import amended
+from ..calibrate.server import SGLangServer
 from ..sglang.config import ENV_TREE_SET, PIN_KEY, resolve_tree_set_path
 from ..tasks import TASKS, interleave
 from ..tree.treeset import load_tree_set
-from .sglang_server import SGLangServer
 
 
 def calibration_prompts(n: int, chat_template: str | None = None) -> list[str]:
@@ -117,8 +118,7 @@ def main(argv: list[str] | None = None) -> None:
     step_costs = {"engine": "sglang", "batches": batches, "repeats": args.repeats, "short": args.short,
                   "long": args.long, "created": time.strftime("%Y-%m-%d %H:%M"),
                   "prompts": "calib split, interleaved tasks"}
-    out = dataclasses.replace(ts, trees=trees, hardware=hardware, provenance={**ts.provenance,
-                                                                              "step_costs": step_costs})
+    out = amended(ts, {"step_costs": step_costs}, trees=trees, hardware=hardware)
     out.save(args.out or path)
     print(f"wrote {args.out or path} in {(time.monotonic() - t0) / 60:.1f} min")
     for t in trees:

@@ -20,28 +20,20 @@ from typing import Callable
 
 import torch
 
+from ..grammar import GrammarDraftMasks
 from ..model.llama import LlamaForCausalLM
+from ..policy.chooser import StepChooser, StepRecord, StepView
+from ..policy.eagle2 import DynamicTree, prune_by_confidence, subtree
+from ..policy.signals import entropy_nats, top_margin, top_probs
 from ..tree import Tree
 from .batch_tree import pad_trees, tree_attention_mask
 from .draft import DraftState, make_drafting
-from .sampling import SamplingParams, entropy_nats, probs_from_logits, top_margin, top_probs
+from .sampling import SamplingParams, probs_from_logits
 from .verify import NO_TOKEN, Accepted, verify_greedy_batch, verify_sampling
 
 
 class RequestError(ValueError):
     """A request that cannot be served as asked (empty prompt, too long, ...)."""
-
-
-@dataclass
-class StepRecord:
-    tree: str
-    num_nodes: int
-    accepted: int  # drafted tokens accepted (0 .. depth)
-    target_entropy: list[float]  # target entropy (nats) at each accepted position, root first
-    draft_entropy: float  # the drafter's entropy for the first drafted position
-    seconds: float  # wall time of the whole batch step
-    draft_margin: float = 0.0  # the drafter's top-1 minus top-2 probability there
-    rested: bool = False  # a plain step the policy took without running the drafter (draft values are 0)
 
 
 @dataclass
@@ -74,102 +66,7 @@ class RequestResult:
         return len(self.output_ids) / (1 + len(self.steps))
 
 
-@dataclass(frozen=True)
-class StepView:
-    """What a tree chooser sees for one request at one step (read-only)."""
-
-    index: int  # request index in the batch
-    draft_entropy: float  # drafter entropy for the next position, before the tree is chosen
-    history: tuple[StepRecord, ...]
-    batch_size: int
-    position: int  # tokens committed so far
-    draft_margin: float = 0.0  # drafter top-1 minus top-2 probability for the next position
-    draft_probs: tuple[float, ...] = ()  # the drafter's largest probabilities for the next position, descending
-
-    def draft_value(self, signal: str) -> float:
-        """This step's draft value for a tree set's signal: the margin for draft_margin, else the entropy."""
-        return self.draft_margin if signal == "draft_margin" else self.draft_entropy
-
-
-@dataclass(frozen=True)
-class DynamicTree:
-    """EAGLE-2 style: draft the `wide` tree, then verify only the `keep` nodes (root included) with the
-    highest cumulative draft log-probability (a prefix-closed subtree)."""
-
-    wide: Tree
-    keep: int
-
-    @property
-    def name(self) -> str:
-        return f"dynamic:{self.wide.num_nodes}->{self.keep}"
-
-    @property
-    def max_depth(self) -> int:
-        return self.wide.max_depth
-
-    def check_depth(self, max_depth: int, what: str) -> None:
-        self.wide.check_depth(max_depth, what)
-
-
-TreeChooser = Callable[[StepView], "Tree | DynamicTree"]
-
-
-def prune_by_confidence(tree: Tree, logprobs: list[float], keep: int) -> list[int]:
-    """Node indices (sorted) of the `keep` nodes with the best cumulative log-prob; always the root."""
-    cum = [0.0] * tree.num_nodes
-    for i in range(1, tree.num_nodes):
-        cum[i] = cum[tree.parents[i]] + logprobs[i]
-    order = sorted((i for i in range(1, tree.num_nodes) if cum[i] != float("-inf")), key=lambda i: (-cum[i], i))
-    kept = set(order[: max(0, keep - 1)])
-    # enforce prefix closure and contiguous sibling ranks against ties
-    for i in sorted(kept):
-        j = i
-        while j > 0 and tree.parents[j] not in kept and tree.parents[j] != 0:
-            kept.add(tree.parents[j])
-            j = tree.parents[j]
-    for kids in tree.children:
-        chosen = [c for c in kids if c in kept]
-        if chosen:
-            kept.update(kids[: kids.index(chosen[-1]) + 1])
-    return [0] + sorted(kept)
-
-
-class _GrammarDraftMasks:
-    """legal(parent_idx, tokens) -> (B, M, V): tokens each request's grammar allows after each parent."""
-
-    def __init__(self, grammars, root_masks: dict, vocab: int):
-        self.grammars, self.root_masks, self.vocab = grammars, root_masks, vocab
-        self.parents: torch.Tensor | None = None  # (B, N) of the padded trees being drafted
-
-    def __call__(self, parent_idx: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-        b, m = parent_idx.shape
-        out = torch.ones((b, m, self.vocab), dtype=torch.bool)
-        for i, g in enumerate(self.grammars):
-            if g is None or i not in self.root_masks:
-                continue
-            for j, u in enumerate(parent_idx[i].tolist()):
-                if u == 0:
-                    out[i, j] = self.root_masks[i]
-                else:
-                    path = self._path(i, u, tokens)
-                    out[i, j] = g.path_mask(path)
-        return out
-
-    def _path(self, i: int, u: int, tokens: torch.Tensor) -> list[int]:
-        # parents are found through the padded tree rows the drafter is expanding
-        path = []
-        while u > 0:
-            path.append(int(tokens[i, u]))
-            u = int(self.parents[i, u])
-        return path[::-1]
-
-
-def subtree(tree: Tree, nodes: list[int]) -> Tree:
-    index = {n: i for i, n in enumerate(nodes)}
-    return Tree(tuple(-1 if n == 0 else index[tree.parents[n]] for n in nodes), name=f"dyn:n{len(nodes)}")
-
-
-def static_chooser(tree: Tree) -> TreeChooser:
+def static_chooser(tree: Tree) -> StepChooser:
     return lambda view: tree
 
 
@@ -210,7 +107,7 @@ class Engine:
                 f"model context of {self.context} tokens")
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int, chooser: TreeChooser,
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, chooser: StepChooser,
                  sampling: SamplingParams = SamplingParams(), seed: int = 0,
                  observer: Callable | None = None, grammars: list | None = None,
                  grammar_drafting: bool = True) -> list[RequestResult]:
@@ -317,7 +214,7 @@ class Engine:
             now = {i: g.root_mask() for i, g in enumerate(grammars) if g is not None and active[i]}
             for i, m in now.items():
                 state.root_logits[i] = state.root_logits[i].masked_fill(~m, float("-inf"))
-            legal = _GrammarDraftMasks(grammars, now, state.root_logits.shape[-1])
+            legal = GrammarDraftMasks(grammars, now, state.root_logits.shape[-1])
         return state, legal
 
     def _choose_trees(self, chooser, state, results, active, lens, drafting):

@@ -1,4 +1,7 @@
-"""Sampling parameters and the one logits -> probabilities transform shared by plain and speculative decoding."""
+"""Sampling parameters and the one logits -> probabilities transform shared by plain and speculative decoding.
+
+The signal math on logits (entropy, top-1 margin, top probabilities) lives with the policy that reads it:
+`policy/signals.py`."""
 
 from __future__ import annotations
 
@@ -43,33 +46,3 @@ def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Ten
         probs = probs.masked_fill(drop, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
-
-
-def entropy_nats(logits: torch.Tensor) -> torch.Tensor:
-    """(..., V) logits -> (...) entropy of softmax(logits) in nats (masked -inf entries allowed).
-
-    Runs the fused Triton kernel on CUDA and its torch reference elsewhere (`entmtp_sglang.kernels`)."""
-    from ..kernels import softmax_entropy
-
-    if logits.dim() == 1:
-        return softmax_entropy(logits.float().unsqueeze(0))[0]
-    flat = logits.float().reshape(-1, logits.shape[-1])
-    return softmax_entropy(flat).reshape(logits.shape[:-1])
-
-
-def top_margin(logits: torch.Tensor) -> torch.Tensor:
-    """(..., V) logits -> (...) p(top-1) - p(top-2) of softmax(logits). Masked (-inf) entries count as
-    probability 0; a row with a single allowed token has margin 1."""
-    x = logits.float()
-    lse = torch.logsumexp(x, -1, keepdim=True)
-    top = torch.exp(x.topk(min(2, x.shape[-1]), -1).values - lse)  # the two largest probabilities
-    second = top[..., 1] if top.shape[-1] > 1 else torch.zeros_like(top[..., 0])
-    return (top[..., 0] - second).nan_to_num(0.0)
-
-
-def top_probs(logits: torch.Tensor, k: int = 6) -> torch.Tensor:
-    """(..., V) logits -> (..., k) the k largest probabilities of softmax(logits), descending (masked
-    entries count as 0; a row with nothing allowed gives zeros)."""
-    x = logits.float()
-    lse = torch.logsumexp(x, -1, keepdim=True)
-    return torch.exp(x.topk(min(k, x.shape[-1]), -1).values - lse).nan_to_num(0.0)

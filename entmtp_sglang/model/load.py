@@ -105,14 +105,28 @@ def load_drafter(model_dir: Path, kind: str, dtype: torch.dtype = torch.float32,
         from safetensors.torch import load_file
 
         draft_ids = load_file(str(d / "draft_vocab.safetensors"))["draft_ids"].long()
+    foreign = "was it trained for another model?"
     try:
+        target_shape = target.shape if target is not None else LlamaShape.from_json(Path(model_dir) / "config.json")
         if kind == "eagle":
-            module = build_drafter(kind, LlamaShape.from_config_dict(cfg), draft_ids=draft_ids)
+            shape = LlamaShape.from_config_dict(cfg)
+            bad = [f"{k} {getattr(shape, k)} (the target's {getattr(target_shape, k)})"
+                   for k in ("vocab_size", "hidden_size") if getattr(shape, k) != getattr(target_shape, k)]
+            if bad:
+                raise ModelDirError(f"{d} does not fit the target in {model_dir}: its {' and '.join(bad)}; {foreign}")
+            module = build_drafter(kind, shape, draft_ids=draft_ids)
         else:
-            target_shape = LlamaShape.from_json(Path(model_dir) / "config.json")
             module = build_drafter(kind, target_shape, num_heads=cfg["num_heads"], draft_ids=draft_ids,
                                    mlp_width=cfg.get("mlp_width"))
         state = _state(d / "model.safetensors", dtype)
+        own = module.state_dict()
+        bad = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()
+               if k in own and v.shape != own[k].shape]
+        if bad:
+            k, got, want = bad[0]
+            more = f" (and {len(bad) - 1} more weights)" if len(bad) > 1 else ""
+            raise ModelDirError(f"{d} does not fit the target in {model_dir}: its {k} is {list(got)}, the target "
+                                f"needs {list(want)}{more}; {foreign}")
         missing, unexpected = module.load_state_dict(state, strict=False)
     except (RuntimeError, ValueError, KeyError) as e:
         raise ModelDirError(f"{d}: cannot load this drafter for the target in {model_dir} ({e}); was it "

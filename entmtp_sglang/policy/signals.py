@@ -19,10 +19,39 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..engine.sampling import entropy_nats, top_margin
 from ..tree.treeset import SIGNALS
 
 EMA_ALPHA = 0.3
+
+
+def entropy_nats(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> (...) entropy of softmax(logits) in nats (masked -inf entries allowed).
+
+    Runs the fused Triton kernel on CUDA and its torch reference elsewhere (`entmtp_sglang.kernels`)."""
+    from ..kernels import softmax_entropy
+
+    if logits.dim() == 1:
+        return softmax_entropy(logits.float().unsqueeze(0))[0]
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    return softmax_entropy(flat).reshape(logits.shape[:-1])
+
+
+def top_margin(logits: torch.Tensor) -> torch.Tensor:
+    """(..., V) logits -> (...) p(top-1) - p(top-2) of softmax(logits). Masked (-inf) entries count as
+    probability 0; a row with a single allowed token has margin 1."""
+    x = logits.float()
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    top = torch.exp(x.topk(min(2, x.shape[-1]), -1).values - lse)  # the two largest probabilities
+    second = top[..., 1] if top.shape[-1] > 1 else torch.zeros_like(top[..., 0])
+    return (top[..., 0] - second).nan_to_num(0.0)
+
+
+def top_probs(logits: torch.Tensor, k: int = 6) -> torch.Tensor:
+    """(..., V) logits -> (..., k) the k largest probabilities of softmax(logits), descending (masked
+    entries count as 0; a row with nothing allowed gives zeros)."""
+    x = logits.float()
+    lse = torch.logsumexp(x, -1, keepdim=True)
+    return torch.exp(x.topk(min(k, x.shape[-1]), -1).values - lse).nan_to_num(0.0)
 
 
 def window_mean(values: Sequence[float], default: float) -> float:

@@ -6,7 +6,7 @@ The tree set comes from, in order: the `ENTMTP_TREE_SET` environment variable, S
 (`entmtp_sglang/trees/<name>-eagle-mixed.json`: entmtp-tiny, smollm2-135m-instruct). With none of these,
 ENTMTP starts uncalibrated: a generic set (`tree/generic.py`, sized by `--speculative-num-steps` and
 `--speculative-eagle-topk` when given) whose acceptance predictor and step costs are refitted online from
-verified steps (`policy/online.py`). A set calibrated for another model is refused (the message says
+verified steps (`calibrate/online.py`). A set calibrated for another model is refused (the message says
 which) unless `ENTMTP_FORCE_TREE_SET=1`. `ENTMTP_ONLINE_CALIBRATION=1` refits a calibrated set online too
 (its own predictor and costs are the prior). `ENTMTP_RECORD=FILE` appends one JSON line per verified step
 (what `entmtp calibrate --engine sglang` reads). By default a calibrated set's step costs are refitted from
@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..policy.registry import SERVER_POLICIES
 from ..tree.generic import generic_tree_set
 from ..tree.treeset import FORMAT, TreeSet, TreeSetError, load_tree_set, shipped_tree_set
 
@@ -37,7 +38,6 @@ ENV_ONLINE_COSTS = "ENTMTP_ONLINE_COSTS"  # "0": keep a calibrated set's step co
 ENV_PROFILE = "ENTMTP_PROFILE"         # a file: seconds per stage of every decode step (profile.py)
 ENV_TREE_TRACE = "ENTMTP_TREE_TRACE"   # a directory: each rank appends its tree per decode step (debugging)
 PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
-SERVER_POLICIES = ("entmtp", "entmtp-bins", "entmtp-predictor")
 
 
 def pin_of(custom_params) -> str | None:

@@ -24,8 +24,7 @@ from typing import Sequence
 
 import torch
 
-from ..engine.sampling import top_probs
-from ..policy.signals import draft_signal
+from ..policy.signals import draft_signal, top_probs
 
 logger = logging.getLogger("entmtp_sglang.sglang")
 

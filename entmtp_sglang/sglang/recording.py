@@ -3,7 +3,7 @@
 Per decode step the worker hands this object the drafter's root distribution (from the draft-extend logits it
 already has), the top candidates at every node it expands, the drafted tokens, and after verification the
 target's token after every node (`observe.py`) and the step's wall time. Each request's step becomes one
-`PositionRecord` (`policy/online.py`). They go to
+`PositionRecord` (`calibrate/online.py`). They go to
 
 * `ENTMTP_RECORD=FILE`: one JSON line per step (tree, batch size, seconds, records), which
   `entmtp calibrate --engine sglang` turns into a tree set;
@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine.sampling import entropy_nats, top_margin
-from ..policy.online import OnlineCalibration, StepObservation, position_record
+from ..calibrate.online import OnlineCalibration, StepObservation, position_record
+from ..policy.signals import entropy_nats, top_margin
 from ..tree.treeset import TreeSet
 
 logger = logging.getLogger("entmtp_sglang.sglang")

@@ -32,10 +32,9 @@ from pathlib import Path
 
 import torch
 
-from ..engine.sampling import top_probs
+from ..calibrate.online import OnlineCalibration
 from ..policy.controller import RequestInput, TreeController
-from ..policy.online import OnlineCalibration
-from ..policy.signals import draft_signal, least_predictable
+from ..policy.signals import draft_signal, least_predictable, top_probs
 from ..tree.acceptance import AcceptancePredictor
 from . import grammar_draft, observe, visibility
 from .attention import MultiStepDraftBackend

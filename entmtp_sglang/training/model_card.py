@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from ..calibrate import CalibrationConfig, record_positions
+from ..calibrate.records import CalibrationConfig, record_positions
 from ..engine.engine import Engine, static_chooser
 from ..model.load import load_bundle
 from ..tasks import load_prompts

@@ -2,16 +2,16 @@
 
     entmtp calibrate --engine sglang --model-path MODEL --speculative-draft-model-path DRAFT --prompts code
 
-1. Start `sglang.launch_server` with ENTMTP, a recording tree set (`recording_trees`: a tree wide at depths
-   1 and 2 and deep along the top candidates, and the cost grid), and `ENTMTP_RECORD=FILE`, so the worker
-   writes one record per verified step (sglang/recording.py).
+1. Start `sglang.launch_server` (`server.py`) with ENTMTP, a recording tree set (`recording_tree_set`: a tree
+   wide at depths 1 and 2 and deep along the top candidates, and the cost grid, `costs.cost_grid`), and
+   `ENTMTP_RECORD=FILE`, so the worker writes one record per verified step (sglang/recording.py).
 2. Decode the prompts greedily, every request pinned to the recording tree: each step records, along the
    target's own continuation through the drafted tree, the rank of the target's token among the drafter's
    top candidates and the drafter's probabilities (ranks the tree cannot tell are -1 and count as misses).
 3. Time every grid tree inside the same server, pinned, at each batch size asked for, the trees in
    rotation (so load from elsewhere hits them alike), and fit seconds = base + per_node * nodes +
    per_depth * depth per batch size on each tree's median step time.
-4. Build the tree set as the offline calibration does (`calibrate.build_tree_set`: bins of the draft signal
+4. Build the tree set as the offline calibration does (`build.build_tree_set`: bins of the draft signal
    that best predicts acceptance, greedy trees per bin and budget, Pareto-optimal ones kept, the per-node
    acceptance predictor fitted), named for the served model so ENTMTP accepts it, with its Pareto plot and
    records beside it.
@@ -26,18 +26,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .calibrate import (
-    CalibrationConfig,
-    PositionRecord,
-    StepCostModel,
-    build_tree_set,
-    fit_step_cost,
-    pearson,
-    signals_of,
-)
-from .sglang.config import SGLANG_SIGNALS
-from .tree import Tree
-from .tree.treeset import TreeEntry, TreeSet
+from ..sglang.config import SGLANG_SIGNALS
+from ..tree import Tree
+from ..tree.records import PositionRecord
+from ..tree.treeset import TreeEntry, TreeSet
+from . import provenance
+from .build import build_tree_set, pearson, plot_pareto, signals_of
+from .costs import StepCostModel, cost_grid, fit_cost_models
+from .records import CalibrationConfig, save_records
 
 RECORD_TREE = "record"
 TIMING_ROUNDS, TIMING_TOKENS = 4, 8     # each grid tree decodes 4 times 8 tokens per batch size, in rotation
@@ -61,34 +57,17 @@ def record_tree(depth: int) -> Tree:
     return Tree(tuple(parents), name=RECORD_TREE)
 
 
-def cost_grid(depth: int, widths=(1, 2, 3)) -> list[Tree]:
-    """Chains of every depth with `w - 1` extra leaf candidates under each chain node (nodes = 1 + w * d):
-    node count and depth vary independently while every draft step expands one row."""
-    out = [Tree.chain(0)]
-    for d in range(1, depth + 1):
-        for w in widths:
-            parents = [-1]
-            chain = 0
-            for _ in range(d):
-                parents.append(chain)
-                nxt = len(parents) - 1
-                parents += [chain] * (w - 1)
-                chain = nxt
-            out.append(Tree(tuple(parents), name=f"grid:w{w}d{d}"))
-    return out
-
-
 def recording_tree_set(model: str, depth: int) -> TreeSet:
     trees = [record_tree(depth), *cost_grid(depth)]
     entries = tuple(TreeEntry(t, (0.0,), {1: 1.0}) for t in trees)
-    return TreeSet(model=model, drafter="eagle", task="recording", signal="draft_margin", bin_edges=(),
-                   trees=entries, hardware="recording", provenance={"recording": True})
+    return provenance.amended(TreeSet(model=model, drafter="eagle", task="recording", signal="draft_margin",
+                                      bin_edges=(), trees=entries, hardware="recording"), {"recording": True})
 
 
 def load_prompt_items(source: str, count: int) -> list[dict]:
     """A shipped task's calibration prompts, or a JSONL file: one JSON string, {"prompt": ...} / {"text": ...},
     or {"messages": [...]} per line."""
-    from .tasks import TASKS, interleave, load_prompts
+    from ..tasks import TASKS, interleave, load_prompts
 
     if source in TASKS or source == "mixed":
         items = (interleave(("prose", "json", "code"), "calib", count // 3 + 1)[:count] if source == "mixed"
@@ -130,7 +109,7 @@ def chat_template(model_dir: Path) -> str | None:
 def prompt_texts(items: list[dict], model_path: Path) -> list[str]:
     """Each item as the text the model sees: `text` as it is; `messages`, and shipped prompts, through the
     model's chat template when it has one (as the reference engine feeds them)."""
-    from .tasks import prompt_text, render_messages
+    from ..tasks import prompt_text, render_messages
 
     template = chat_template(Path(model_path))
     out = []
@@ -229,19 +208,15 @@ def best_signal(records: list[PositionRecord], window: int = 8) -> str:
 
 def cost_models(steps: list[dict], grid: list[Tree], batch_sizes, log=print) -> dict[int, StepCostModel]:
     """seconds = base + per_node * nodes + per_depth * depth per batch size, on the grid's median step times."""
-    models: dict[int, StepCostModel] = {}
-    for b in batch_sizes:
-        pairs = [(t, statistics.median(s)) for t in grid if (s := step_seconds(steps, t.name, b))]
-        if len(pairs) < 3:
-            raise RuntimeError(f"too few timed steps at batch size {b} to fit a step-cost model")
-        models[b] = fit_step_cost([t for t, _ in pairs], [s for _, s in pairs])
-        log(f"batch {b}: step seconds = {models[b].base:.4f} + {models[b].per_node:.5f} * nodes + "
-            f"{models[b].per_depth:.5f} * depth")
-    return models
+    def median(tree: Tree, batch: int) -> float | None:
+        seconds = step_seconds(steps, tree.name, batch)
+        return statistics.median(seconds) if seconds else None
+
+    return fit_cost_models(grid, batch_sizes, median, f"in SGLang, {len(grid)} trees", log)
 
 
 def _decode_all(server, texts: list[str], tree: str, max_new: int, concurrency: int, progress=None) -> None:
-    from .sglang.config import PIN_KEY
+    from ..sglang.config import PIN_KEY
 
     def one(text: str) -> None:
         server.generate(text, max_new, 0.0, custom_params={PIN_KEY: tree})
@@ -254,9 +229,8 @@ def _decode_all(server, texts: list[str], tree: str, max_new: int, concurrency: 
 
 def run(cal: SGLangCalibration, items: list[dict], out: Path, log=print, progress=None) -> TreeSet:
     """Everything above; writes `out`, its .png and its .records.jsonl, returns the set."""
-    from .bench.sglang_server import SGLangServer, free_port
-    from .calibrate import plot_pareto, save_records
-    from .sglang.config import ENV_RECORD, ENV_TREE_SET
+    from ..sglang.config import ENV_RECORD, ENV_TREE_SET
+    from .server import SGLangServer, free_port
 
     texts = prompt_texts(items, cal.model_path)
     work = Path(tempfile.mkdtemp(prefix="entmtp-calibrate-"))

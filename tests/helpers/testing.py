@@ -1,4 +1,4 @@
-"""Helpers for the test suite that must live in the package (pytest runs with --import-mode=importlib)."""
+"""Helpers for the test suite (pytest puts tests/ on its path: `from helpers.testing import ...`)."""
 
 from __future__ import annotations
 

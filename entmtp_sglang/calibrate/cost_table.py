@@ -29,8 +29,9 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from .model.llama import LlamaShape
-from .tree import Tree
+from ..model.llama import LlamaShape
+from ..tree import Tree
+from .costs import cost_grid, fit_cost_models
 
 FORMAT = "entmtp-cost-table"
 VERSION = 1
@@ -207,19 +208,14 @@ def _row(i: int, r: dict) -> CostRow:
 def step_cost_models_from_table(table: CostTable, shape: LlamaShape, drafter: str, batch_sizes, max_depth: int,
                                 model: str | None = None, log=print):
     """`StepCostModel` per batch size fitted to the table's step times of the calibration cost grid (what
-    `calibrate.step_cost_models` fits to in-situ timings). Returns (models, source) where source records
+    `costs.step_cost_models` fits to in-situ timings). Returns (models, source) where source records
     which table, device, model entry and attention backend the costs came from."""
-    from .calibrate import cost_grid, fit_step_cost
-
     entry = table.model_for(shape, model)
     attention = table.attention_for(entry.name)
-    grid = cost_grid(max_depth)
-    out = {}
-    for bsz in batch_sizes:
-        seconds = [table.step_seconds(t, entry.name, drafter, bsz, attention) for t in grid]
-        out[bsz] = fit_step_cost(grid, seconds)
-        log(f"batch {bsz}: step seconds ~ {out[bsz].to_json()} (cost table {Path(table.source).name}: "
-            f"{table.device}, {entry.name}, {attention} attention)")
+    out = fit_cost_models(cost_grid(max_depth), batch_sizes,
+                          lambda t, b: table.step_seconds(t, entry.name, drafter, b, attention),
+                          f"cost table {Path(table.source).name}: {table.device}, {entry.name}, {attention} attention",
+                          log)
     source = {"table": Path(table.source).name, "device": table.device, "model": entry.name,
               "dtype": entry.dtype, "attention": attention, "context_tokens": table.context_tokens}
     return out, source

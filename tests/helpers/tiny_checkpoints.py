@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from ..model.load import BUNDLED_MODEL
+from entmtp_sglang.model.load import BUNDLED_MODEL
 
 LLAMA_ARCH = "LlamaForCausalLM"
 EAGLE3_ARCH = "LlamaForCausalLMEagle3"

@@ -3,11 +3,11 @@
 A verified step of one request tells, along the path the target actually takes through the drafted tree, the
 rank of the target's token among the drafter's candidates at each drafted node on that path (greedy: the
 target's argmax), and the drafter's top probabilities there. `position_record` turns one step into the same
-`PositionRecord` the offline calibration writes (`calibrate.py`), with rank -1 where the step cannot tell
+`PositionRecord` the offline calibration writes (`records.py`), with rank -1 where the step cannot tell
 (the path left the drafted tree, or reached a node that was not expanded). Those records feed both
-`entmtp calibrate --engine sglang` (a tree set from a recording run) and `OnlineCalibration`, which ENTMTP
-runs when it starts with a generic set (`tree/generic.py`), or on a calibrated set with
-`ENTMTP_ONLINE_CALIBRATION=1`: every `refit_every` steps it refits the per-node acceptance predictor on the
+`entmtp calibrate --engine sglang` (a tree set from a recording run, `through_sglang.py`) and
+`OnlineCalibration`, which ENTMTP runs when it starts with a generic set (`tree/generic.py`), or on a calibrated set
+with `ENTMTP_ONLINE_CALIBRATION=1`: every `refit_every` steps it refits the per-node acceptance predictor on the
 records so far (depths with too few observations keep the set's own predictor, or for the generic set the
 prior that the drafter is calibrated) and the step costs on the timed steps (seconds = base + per_node *
 nodes + per_level * depth, least squares once three tree shapes are measured, else the set's own costs scaled
@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import math
 import statistics
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Sequence
 
 from ..tree.acceptance import AcceptancePredictor, fit_predictor
@@ -27,6 +27,7 @@ from ..tree.generic import TYPICAL_ROOT, prior_cost, prior_predictor
 from ..tree.records import PositionRecord
 from ..tree.topology import Tree
 from ..tree.treeset import TreeEntry, TreeSet, nearest_batch
+from .provenance import amended
 
 MIN_KNOWN = 40          # observations of a depth before its fitted map replaces the prior
 RECENT = 32             # step times kept per tree shape and batch bucket
@@ -83,7 +84,7 @@ def fit_costs(trees: Sequence[Tree], measured: dict[tuple[int, int], tuple[float
     pts = [(trees[i], s, n, prior[i]) for (i, b), (s, n) in measured.items() if b == bkt]
     if not pts:
         return None
-    spec = [p for p in pts if p[0].num_nodes > 1]   # chain:0 is another regime (calibrate.StepCostModel)
+    spec = [p for p in pts if p[0].num_nodes > 1]   # chain:0 is another regime (costs.StepCostModel)
     if len({(t.num_nodes, t.max_depth) for t, _, _, _ in spec}) >= 3:
         pts = spec
     shapes = {(t.num_nodes, t.max_depth) for t, _, _, _ in pts}
@@ -176,9 +177,8 @@ class OnlineCalibration:
             exp = min(pred.expected_accepted(e.tree, [TYPICAL_ROOT]), e.tree.max_depth)
             entries.append(TreeEntry(e.tree, (exp,) * self.tree_set.num_bins,
                                      {b: c[i] for b, c in costs.items()} or dict(e.cost_seconds)))
-        self.tree_set = replace(self.tree_set, trees=tuple(entries), predictor=pred.to_json(),
-                                provenance={**self.tree_set.provenance, "online_positions": len(self.records),
-                                            "online_steps": self.steps})
+        self.tree_set = amended(self.tree_set, {"online_positions": len(self.records), "online_steps": self.steps},
+                                trees=tuple(entries), predictor=pred.to_json())
         return self.tree_set
 
     def refit_costs(self) -> TreeSet:
@@ -192,9 +192,9 @@ class OnlineCalibration:
         for b in BUCKETS:
             fitted = fit_costs(trees, self.measured, b, [e.cost(b) for e in self._base_costs])
             if fitted is not None:
-                entries = [replace(e, cost_seconds={**e.cost_seconds, b: c}) for e, c in zip(entries, fitted)]
-        self.tree_set = replace(self.tree_set, trees=tuple(entries),
-                                provenance={**self.tree_set.provenance, "online_steps": self.steps})
+                entries = [TreeEntry(e.tree, e.expected_accepted, {**e.cost_seconds, b: c})
+                           for e, c in zip(entries, fitted)]
+        self.tree_set = amended(self.tree_set, {"online_steps": self.steps}, trees=tuple(entries))
         return self.tree_set
 
     def summary(self) -> str:
