@@ -236,6 +236,25 @@ def run_batch(srv: SGLangServer, prompts: list[str], batch: int, max_new: int) -
     return concurrent_generate(srv, [generate_payload(p, max_new) for p in prompts], batch)
 
 
+def measure(srv: SGLangServer, spec: SystemSpec, prompts: list[str], batch: int, max_new: int,
+            reference: dict[int, list]) -> Row:
+    """`prompts` through `srv` with `batch` requests in flight: one Row. Plain decoding's outputs (token ids)
+    become `reference[batch]`; a speculative system's are compared with them (`equal_to_plain`)."""
+    outs, secs = run_batch(srv, prompts, batch, max_new)
+    row = Row(spec.name, batch, sum(o["meta_info"]["completion_tokens"] for o in outs), secs, requests=len(outs))
+    for o in outs:
+        m = o["meta_info"]
+        if m.get("spec_verify_ct"):
+            row.accept_lengths.append(m["spec_accept_length"])
+        row.trees.update(m.get("entmtp_trees", []))
+    ids = [o["output_ids"] for o in outs]
+    if spec.speculative is None:
+        reference.setdefault(batch, ids)
+    elif batch in reference:
+        row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[batch]))
+    return row
+
+
 def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64, repeats: int = 3,
         log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
         on_repeat=None, model: Path | None = None, starts_at_once: int | None = None) -> list[Row]:
@@ -251,22 +270,10 @@ def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int
         for rep in range(repeats):
             for b in batches:
                 for spec in systems:
-                    outs, secs = run_batch(pool[spec.name], prompts, b, max_new)
-                    row = Row(spec.name, b, sum(o["meta_info"]["completion_tokens"] for o in outs), secs,
-                              requests=len(outs))
-                    for o in outs:
-                        m = o["meta_info"]
-                        if m.get("spec_verify_ct"):
-                            row.accept_lengths.append(m["spec_accept_length"])
-                        row.trees.update(m.get("entmtp_trees", []))
-                    ids = [o["output_ids"] for o in outs]
-                    if spec.speculative is None:
-                        reference.setdefault(b, ids)
-                    elif b in reference:
-                        row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[b]))
+                    row = measure(pool[spec.name], spec, prompts, b, max_new, reference)
                     runs[(spec.name, b)].append(row)
                     progress(f"repeat {rep} {spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, "
-                             f"accept {row.mean_accept or 0:.2f}, equal {row.equal_to_plain}/{len(ids)}")
+                             f"accept {row.mean_accept or 0:.2f}, equal {row.equal_to_plain}/{row.requests}")
             if on_repeat is not None:
                 on_repeat(_medians(runs, systems, batches), rep + 1)
     return _medians(runs, systems, batches)
