@@ -208,3 +208,19 @@ def test_steering_on_a_plain_object_turns_every_decode_graph_off(caplog):
     assert args.disable_cuda_graph is True
     assert warnings(caplog) == ["ENTMTP: CUDA graphs off (ENTMTP's tree changes shape every step); pass "
                                 "--disable-cuda-graph to silence this"]
+
+
+@pytest.mark.sglang
+def test_a_real_launch_prints_the_one_line(tmp_path):
+    """`python -m sglang.launch_server` on this CPU with a refused flag: one `error:` line, no traceback."""
+    import re
+
+    from entmtp_sglang.bench.sglang_server import SGLangServer
+
+    srv = SGLangServer.cpu("ENTMTP", extra=("--page-size", "16"), log_path=tmp_path / "refused.log")
+    srv.start(wait=False)
+    assert srv.exit_code() != 0
+    log = srv.log_text()
+    assert re.search(r"^error: ENTMTP cannot start with page size 16: its tree set branches \(top-k 2\), and "
+                     r"ENTMTP lays branching drafts out one token per page; pass --page-size 1$", log, re.M), log
+    assert "Traceback" not in log, log
