@@ -181,7 +181,8 @@ def test_a_depth_one_set_keeps_sglangs_draft_backend(tmp_path, monkeypatch, capl
     assert v.speculative_draft_attention_backend == "triton"
     assert refusal(speculative_draft_attention_backend="fa3") == (
         "ENTMTP cannot start with --speculative-draft-attention-backend fa3 on CUDA: the draft pass covers a tree "
-        "of a different size each step; pass --speculative-draft-attention-backend entmtp_torch")
+        "of a different size each step; pass --speculative-draft-attention-backend flashinfer (or triton, "
+        "entmtp_torch)")
 
 
 def test_the_cpu_setup_is_unchanged(caplog):

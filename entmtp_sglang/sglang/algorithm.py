@@ -143,7 +143,8 @@ def check_flags(server_args, ts, topk: int) -> None:
         if device == "cuda" and draft not in GPU_VERIFY_BACKENDS:
             raise _startup_error(f"with --speculative-draft-attention-backend {draft} on CUDA: the draft pass "
                                  "covers a tree of a different size each step; pass "
-                                 f"--speculative-draft-attention-backend {DRAFT_BACKEND}")
+                                 f"--speculative-draft-attention-backend {GPU_VERIFY_BACKENDS[0]} (or "
+                                 f"{GPU_VERIFY_BACKENDS[1]}, {DRAFT_BACKEND})")
 
 
 def steer_flags(server_args, ts) -> None:
