@@ -233,6 +233,29 @@ def bench_prompts(per_task: int) -> list[str]:
     return out
 
 
+def run_batch(srv: SGLangServer, prompts: list[str], batch: int, max_new: int) -> tuple[list[dict], float]:
+    return concurrent_generate(srv, [generate_payload(p, max_new) for p in prompts], batch)
+
+
+def measure(srv: SGLangServer, spec: SystemSpec, prompts: list[str], batch: int, max_new: int,
+            reference: dict[int, list]) -> Row:
+    """`prompts` through `srv` with `batch` requests in flight: one Row. Plain decoding's outputs (token ids)
+    become `reference[batch]`; a speculative system's are compared with them (`equal_to_plain`)."""
+    outs, secs = run_batch(srv, prompts, batch, max_new)
+    row = Row(spec.name, batch, sum(o["meta_info"]["completion_tokens"] for o in outs), secs, requests=len(outs))
+    for o in outs:
+        m = o["meta_info"]
+        if m.get("spec_verify_ct"):
+            row.accept_lengths.append(m["spec_accept_length"])
+        row.trees.update(m.get("entmtp_trees", []))
+    ids = [o["output_ids"] for o in outs]
+    if spec.speculative is None:
+        reference.setdefault(batch, ids)
+    elif batch in reference:
+        row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[batch]))
+    return row
+
+
 def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64, repeats: int = 3,
         log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
         on_repeat=None, model: Path | None = None, starts_at_once: int | None = None) -> list[Row]:

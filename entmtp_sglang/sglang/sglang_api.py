@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+from sglang.srt.model_executor.cuda_graph_config import Backend as GraphBackend
+from sglang.srt.model_executor.cuda_graph_config import Phase as GraphPhase
+from sglang.srt.model_executor.cuda_graph_config import with_phase
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.forward_context import ForwardContext, forward_context
-from sglang.srt.runtime_context import get_context, get_parallel, get_spec
+from sglang.srt.runtime_context import get_context, get_parallel, get_platform, get_spec
 from sglang.srt.speculative import spec_registry
 from sglang.srt.speculative.eagle_utils import per_step_draft_out_cache_loc
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
@@ -27,6 +30,7 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["AttentionBackend", "CustomSpecAlgo", "EAGLEWorkerV2", "ForwardContext", "ForwardMode", "KVWriteLoc",  # noqa: F822 (lazy)
-           "SpeculativeAlgorithm", "forward_context", "get_config", "get_context", "get_parallel", "get_spec",
-           "per_step_draft_out_cache_loc", "spec_registry"]
+__all__ = ["AttentionBackend", "CustomSpecAlgo", "EAGLEWorkerV2", "ForwardContext", "ForwardMode",  # noqa: F822
+           "GraphBackend", "GraphPhase", "KVWriteLoc", "SpeculativeAlgorithm", "forward_context", "get_config",
+           "get_context", "get_parallel", "get_platform", "get_spec", "per_step_draft_out_cache_loc", "spec_registry",
+           "with_phase"]
