@@ -36,8 +36,8 @@ from entmtp_sglang.bench.sglang_benchmark import (
     to_markdown,
     write,
 )
-from entmtp_sglang.bench.sglang_server import ServerError, SGLangServer, free_port
 from entmtp_sglang.bench.sglang_systems import EAGLE_STATIC
+from entmtp_sglang.calibrate.server import ServerError, SGLangServer, free_port
 
 SYSTEMS = (PLAIN, EAGLE_STATIC, ENTMTP)
 BATCHES = (1, 8, 32)

@@ -16,8 +16,7 @@ import logging
 from types import SimpleNamespace
 
 import pytest
-
-from entmtp_sglang.testing import import_sglang_or_skip
+from helpers.testing import import_sglang_or_skip
 
 import_sglang_or_skip()
 
@@ -216,7 +215,7 @@ def test_a_real_launch_prints_the_one_line(tmp_path):
     """`python -m sglang.launch_server` on this CPU with a refused flag: one `error:` line, no traceback."""
     import re
 
-    from entmtp_sglang.bench.sglang_server import SGLangServer
+    from entmtp_sglang.calibrate.server import SGLangServer
 
     srv = SGLangServer.cpu("ENTMTP", extra=("--page-size", "16"), log_path=tmp_path / "refused.log")
     srv.start(wait=False)
