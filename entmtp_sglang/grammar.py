@@ -141,7 +141,6 @@ class RequestGrammar:
         return True
 
 
-@lru_cache(maxsize=256)
 class GrammarDraftMasks:
     """The draft mask of a batch's grammars (`RequestGrammar` or None per request), for grammar-aware drafting:
     legal(parent_idx, tokens) -> (B, M, V): tokens each request's grammar allows after each parent."""
@@ -173,6 +172,7 @@ class GrammarDraftMasks:
         return path[::-1]
 
 
+@lru_cache(maxsize=256)
 def _tree_layout(tree: Tree):
     b = build_buffers(tree)
     return b.retrieve_next_token, b.retrieve_next_sibling

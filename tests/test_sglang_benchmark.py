@@ -18,10 +18,25 @@ def rows(name, batch, tps, accept=None, equal=None):
 
 
 def test_medians_ratios_and_table():
-    runs = {("plain", 1): rows("plain", 1, [10, 30, 20]),
-            ("entmtp", 1): rows("entmtp", 1, [15, 45, 30], accept=2.5, equal=4)}
-    med = b._medians(runs, [b.PLAIN, b.ENTMTP], [1])
+    runs = {("plain", "", 1): rows("plain", 1, [10, 30, 20]),
+            ("entmtp", "", 1): rows("entmtp", 1, [15, 45, 30], accept=2.5, equal=4)}
+    med = b._medians(runs, [b.PLAIN, b.ENTMTP], [("", 1)])
     by = {r.system: r for r in med}
     assert by["plain"].tokens_per_s == 20 and by["entmtp"].tokens_per_s == 30
     table = b.to_markdown(med)
     assert "| entmtp | 1 | 30.0 | 1.50x | 2.50 | 4/4 |" in table, table
+
+
+def test_ratios_are_taken_per_task():
+    def tagged(rs, task):
+        for r in rs:
+            r.task = task
+        return rs
+
+    runs = {("plain", "code", 1): tagged(rows("plain", 1, [10, 10, 10]), "code"),
+            ("entmtp", "code", 1): tagged(rows("entmtp", 1, [20, 20, 20], equal=4), "code"),
+            ("plain", "json", 1): tagged(rows("plain", 1, [40, 40, 40]), "json"),
+            ("entmtp", "json", 1): tagged(rows("entmtp", 1, [20, 20, 20], equal=3), "json")}
+    table = b.to_markdown(b._medians(runs, [b.PLAIN, b.ENTMTP], [("code", 1), ("json", 1)]))
+    assert "| code | entmtp | 1 | 20.0 | 2.00x |  | 4/4 |" in table, table
+    assert "| json | entmtp | 1 | 20.0 | 0.50x |  | 3/4 |" in table, table

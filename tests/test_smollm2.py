@@ -188,11 +188,11 @@ def test_a_missing_tree_file_is_named_as_missing(capsys, tmp_path):
     tiny = ["generate", "--model", str(BUNDLED_MODEL), "--prompt", "x", "--drafter", "hydra"]
     assert main([*tiny, "--tree", str(tmp_path / "missing.json")]) == 2
     err = capsys.readouterr().err
-    assert "missing.json' does not exist" in err and "parent index" not in err and "Traceback" not in err
+    assert "missing.json': does not exist" in err and "parent index" not in err and "Traceback" not in err
     (tmp_path / "set.json").write_text("{}")
     assert main([*tiny, "--tree", str(tmp_path / "set.json")]) == 2
     err = capsys.readouterr().err
-    assert "set.json' is a file" in err and "--tree-set FILE" in err and "Traceback" not in err
+    assert "set.json': is a file" in err and "--tree-set FILE" in err and "Traceback" not in err
 
 
 def test_cli_generate_runs_the_entmtp_policy_over_a_shipped_tree_set(capsys):
