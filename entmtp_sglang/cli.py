@@ -216,7 +216,7 @@ def _calibrate(args) -> int:
     from tqdm import tqdm
 
     from .calibrate.build import build_tree_set, plot_pareto
-    from .calibrate.records import CalibrationConfig, load_records, record_positions, save_records
+    from .calibrate.records import CalibrationConfig, load_records, record_positions, records_file, save_records
     from .model.load import load_bundle
     from .tasks import TASKS, interleave, load_prompts
 
@@ -275,9 +275,10 @@ def _calibrate(args) -> int:
             default_out = default_out.with_name(f"{default_out.stem}-{device}.json")
         out = args.out or default_out
         if args.from_records:
-            found = [p for p in (out.with_suffix(".records.jsonl"), default_out.with_suffix(".records.jsonl"),
-                                 Path("trees") / f"{bundle.path.name}-{args.drafter}-{cfg.task}.records.jsonl")
-                     if p.exists()]
+            shipped = Path("trees") / f"{bundle.path.name}-{args.drafter}-{cfg.task}.records.jsonl"
+            found = [records_file(p) for p in (out.with_suffix(".records.jsonl"),
+                                               default_out.with_suffix(".records.jsonl"), shipped)
+                     if records_file(p).exists()]
             try:
                 records = load_records(found[0] if found else out.with_suffix(".records.jsonl"))
             except OSError as e:
@@ -406,8 +407,9 @@ def _chooser(args, bundle):
                              "static --tree NAME for one of them)")
         if POLICIES[policy].rebuilds_set:
             from .calibrate.build import paper_tree_set
+            from .calibrate.records import records_file
 
-            records = path.with_suffix(".records.jsonl")
+            records = records_file(path.with_suffix(".records.jsonl"))
             if not records.exists():
                 raise ValueError(f"entmtp-paper rebuilds the set from its calibration records, and {records} "
                                  "does not exist (a repository checkout ships them; or run entmtp calibrate)")

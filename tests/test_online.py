@@ -18,7 +18,7 @@ from entmtp_sglang.sglang.tree_plan import plan_tree, required_topk
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.acceptance import AcceptancePredictor
 from entmtp_sglang.tree.generic import generic_tree_set
-from entmtp_sglang.tree.treeset import TreeSetError, shipped_tree_set
+from entmtp_sglang.tree.treeset import TreeSetError, load_tree_set, shipped_tree_set
 
 #      0
 #     / \
@@ -98,6 +98,32 @@ def test_fit_costs_separates_nodes_from_depth():
     assert fit_costs(trees, measured, 8) is None
 
 
+def test_speculative_steps_never_move_the_resting_cost():
+    """A speculative step's fixed part is not a resting step's: timing only speculative steps at a batch size
+    scales the speculative trees and leaves chain:0 at its prior until chain:0 itself is timed there."""
+    trees = [Tree.chain(d) for d in range(4)] + [Tree((-1, 0, 0, 0))]
+    prior = [0.10, 0.11, 0.12, 0.13, 0.12]
+    one = fit_costs(trees, {(1, 4): (0.22, 5)}, 4, prior)              # chain:1 timed at twice its prior
+    assert one[0] == pytest.approx(0.10) and one[1:] == pytest.approx([0.22, 0.24, 0.26, 0.24])
+    truth = lambda t: 0.15 + 0.01 * (t.num_nodes - 1) + 0.02 * t.max_depth  # noqa: E731
+    many = fit_costs(trees, {(i, 4): (truth(t), 5) for i, t in enumerate(trees) if i in (1, 2, 4)}, 4, prior)
+    assert many[0] == pytest.approx(0.10) and many[3] == pytest.approx(truth(trees[3]), rel=1e-6)
+    rested = fit_costs(trees, {(1, 4): (0.22, 5), (0, 4): (0.09, 1)}, 4, prior)
+    assert rested[0] == pytest.approx(0.09)
+
+
+def test_batch_4_gets_its_own_costs():
+    ts = load_tree_set(shipped_tree_set("eagle", "mixed"))
+    cal = OnlineCalibration(ts, refit_every=1)
+    spec = next(i for i, e in enumerate(ts.trees) if e.tree.num_nodes > 1)
+    for _ in range(4):
+        cal.observe_time(spec, 4, 3 * ts.trees[spec].cost(4))
+    new = cal.refit_costs()
+    assert new.trees[spec].cost(4) == pytest.approx(3 * ts.trees[spec].cost(4))
+    assert new.trees[0].cost(4) == pytest.approx(ts.trees[0].cost(4))          # chain:0 untouched
+    assert new.trees[spec].cost(1) == ts.trees[spec].cost(1) and new.trees[spec].cost(8) == ts.trees[spec].cost(8)
+
+
 def test_recording_trees_fit_sglang_buffers():
     t = record_tree(5)
     assert t.max_depth == 5 and required_topk(t) == 3
@@ -145,5 +171,8 @@ def test_online_recalibration_of_a_calibrated_set_keeps_its_trees_and_learns():
     assert [e.tree for e in new.trees] == [e.tree for e in ts.trees]
     after = AcceptancePredictor.from_json(new.predictor).expected_accepted(tree, [(0.8, 0.1)])
     assert before > 0.3 and after < 0.05
-    # one shape measured: every cost is the set's own, scaled by what was measured
-    assert new.trees[0].cost(1) == pytest.approx(ts.trees[0].cost(1) * 2)
+    # one shape measured: every speculative tree's cost is the set's own, scaled by what was measured; chain:0
+    # (resting, another regime) keeps the set's until it is timed itself
+    assert new.trees[1].cost(1) == pytest.approx(ts.trees[1].cost(1) * 2)
+    assert new.trees[deep].cost(1) == pytest.approx(ts.trees[deep].cost(1) * 2)
+    assert new.trees[0].cost(1) == pytest.approx(ts.trees[0].cost(1))

@@ -26,7 +26,7 @@ from collections import Counter
 import torch
 
 from ..calibrate.costs import fit_step_cost
-from ..calibrate.records import CalibrationConfig, load_records, record_positions
+from ..calibrate.records import CalibrationConfig, load_records, record_positions, records_file
 from ..engine.engine import Engine, static_chooser
 from ..model.load import load_bundle
 from ..policy.chooser import StepView
@@ -166,7 +166,7 @@ class Resources:
         if drafter not in self._acc:
             records = []
             for t in PROMPT_TASKS:
-                path = shipped_tree_set(drafter, t, self.model_name).with_suffix(".records.jsonl")
+                path = records_file(shipped_tree_set(drafter, t, self.model_name).with_suffix(".records.jsonl"))
                 if path.exists():
                     records += load_records(path)
             if not records:  # an installed wheel ships no records: decode a few calibration prompts

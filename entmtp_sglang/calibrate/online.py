@@ -31,7 +31,7 @@ from .provenance import amended
 
 MIN_KNOWN = 40          # observations of a depth before its fitted map replaces the prior
 RECENT = 32             # step times kept per tree shape and batch bucket
-BUCKETS = (1, 8, 32)    # batch sizes step costs are kept for (nearest on a log scale)
+BUCKETS = (1, 2, 4, 8, 16, 32)    # batch sizes step costs are kept for (nearest on a log scale)
 
 
 @dataclass(frozen=True)
@@ -79,30 +79,32 @@ def fit_costs(trees: Sequence[Tree], measured: dict[tuple[int, int], tuple[float
     """Seconds per step of every tree at batch bucket `bkt` from the (tree index, bucket) -> (mean seconds,
     count) measured so far; None when nothing was measured at that bucket. `prior`: each tree's cost before
     any measurement (default `tree.generic.prior_cost`), scaled to the measurements while fewer than three
-    tree shapes are measured."""
+    speculative tree shapes are measured."""
     prior = list(prior) if prior is not None else [prior_cost(t) for t in trees]
     pts = [(trees[i], s, n, prior[i]) for (i, b), (s, n) in measured.items() if b == bkt]
     if not pts:
         return None
-    spec = [p for p in pts if p[0].num_nodes > 1]   # chain:0 is another regime (costs.StepCostModel)
+    # chain:0 (a resting step, SGLang's plain decode) is another regime than a speculative step (its fixed part
+    # is larger: costs.StepCostModel): the speculative trees are fitted on speculative steps only, and chain:0
+    # is its own measurement or, until it is measured here, the set's prior, never scaled by speculative steps
+    spec = [p for p in pts if p[0].num_nodes > 1]
+    fitted = list(prior)
     if len({(t.num_nodes, t.max_depth) for t, _, _, _ in spec}) >= 3:
-        pts = spec
-    shapes = {(t.num_nodes, t.max_depth) for t, _, _, _ in pts}
-    if len(shapes) >= 3:
         import torch
 
-        x = torch.tensor([[1.0, t.num_nodes - 1, t.max_depth] for t, _, _, _ in pts], dtype=torch.float64)
-        w = torch.tensor([math.sqrt(n) for _, _, n, _ in pts], dtype=torch.float64).view(-1, 1)
-        y = torch.tensor([[s] for _, s, _, _ in pts], dtype=torch.float64)
+        x = torch.tensor([[1.0, t.num_nodes - 1, t.max_depth] for t, _, _, _ in spec], dtype=torch.float64)
+        w = torch.tensor([math.sqrt(n) for _, _, n, _ in spec], dtype=torch.float64).view(-1, 1)
+        y = torch.tensor([[s] for _, s, _, _ in spec], dtype=torch.float64)
         coef = torch.linalg.lstsq(x * w, y * w).solution.view(-1).tolist()
         base, per_node, per_level = coef[0], max(coef[1], 0.0), max(coef[2], 0.0)
-        floor = min(s for _, s, _, _ in pts) * 0.5
-        fitted = [max(base + per_node * (t.num_nodes - 1) + per_level * t.max_depth, floor) for t in trees]
-    else:
-        scale = sum(s / p * n for _, s, n, p in pts) / sum(n for _, _, n, _ in pts)
-        fitted = [p * scale for p in prior]
-    for (i, b), (s, n) in measured.items():   # a tree measured often enough is its own estimate (chain:0,
-        if b == bkt and (n >= 8 or trees[i].num_nodes == 1 and pts is spec):   # off the line, at once)
+        floor = min(s for _, s, _, _ in spec) * 0.5
+        fitted = [max(base + per_node * (t.num_nodes - 1) + per_level * t.max_depth, floor) if t.num_nodes > 1
+                  else c for t, c in zip(trees, fitted)]
+    elif spec:
+        scale = sum(s / p * n for _, s, n, p in spec) / sum(n for _, _, n, _ in spec)
+        fitted = [c * scale if t.num_nodes > 1 else c for t, c in zip(trees, fitted)]
+    for (i, b), (s, n) in measured.items():   # chain:0 at once, a tree measured often enough: its own estimate
+        if b == bkt and (n >= 8 or trees[i].num_nodes == 1):
             fitted[i] = s
     return fitted
 

@@ -4,6 +4,7 @@ the rank vector of the true continuation (`tree.records.PositionRecord`); saved 
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,20 +99,36 @@ def record_positions(bundle: Bundle, prompts: list[list[int]], cfg: CalibrationC
     return out
 
 
+def records_file(path: Path) -> Path:
+    """The calibration records at `path` (`X.records.jsonl`), or their gzipped form `X.records.jsonl.gz` (how a
+    checkout ships the bundled model's) when only that exists."""
+    path = Path(path)
+    gz = path.with_name(path.name + ".gz")
+    return gz if not path.exists() and gz.exists() else path
+
+
 def save_records(records: list[PositionRecord], path: Path) -> None:
+    """One JSON array per file; gzipped when `path` ends in .gz."""
     rows = [[r.prompt, r.pos, round(r.draft_entropy, 4), round(r.target_entropy, 4), list(r.ranks),
              round(r.draft_margin, 4)]
             + ([[[round(1000 * p) for p in d] for d in r.draft_probs]] if r.draft_probs else [])
             for r in records]
-    path.write_text(json.dumps(rows, separators=(",", ":")))
+    text = json.dumps(rows, separators=(",", ":"))
+    path = Path(path)
+    if path.suffix == ".gz":
+        path.write_bytes(gzip.compress(text.encode(), mtime=0))
+    else:
+        path.write_text(text)
 
 
 def load_records(path: Path) -> list[PositionRecord]:
     # [prompt, pos, draft entropy, target entropy, ranks(, draft margin(, draft probs per mille))]: older files
     # lack the margin or the per-depth probabilities
+    path = records_file(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     return [PositionRecord(row[0], row[1], row[2], row[3], tuple(row[4]), *row[5:6],
                            *([_probs(row[6])] if len(row) > 6 else []))
-            for row in json.loads(Path(path).read_text())]
+            for row in json.loads(text)]
 
 
 def _probs(rows) -> tuple[tuple[float, ...], ...]:
