@@ -3,11 +3,14 @@ replaces, on random trees and the shipped sets' trees; and with no host reads in
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from entmtp_sglang.sglang.tree_index import TreeIndex, draft_tree
 from entmtp_sglang.sglang.tree_plan import plan_tree, required_topk
@@ -115,10 +118,54 @@ def test_chain_zero_and_one_level():
     check(Tree.parse("chain:5"), bs=2, seed=2)
 
 
+class _NoHostOps(TorchDispatchMode):
+    FORBIDDEN = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.lift_fresh.default,
+                 torch.ops.aten.lift_fresh_copy.default}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in self.FORBIDDEN:
+            raise AssertionError(f"host sync inside the draft step: {func}")
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                raise AssertionError(f"{func} made a CPU tensor inside the draft step")
+        return out
+
+
+class _NoHostCalls(TorchFunctionMode):
+    FORBIDDEN = {torch.tensor, torch.as_tensor, torch.from_numpy, torch.Tensor.tolist, torch.Tensor.item,
+                 torch.Tensor.cpu, torch.Tensor.numpy}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in self.FORBIDDEN:
+            raise AssertionError(f"host data inside the draft step: {getattr(func, '__name__', func)}")
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def NoHost():
+    """Fails on what a CUDA graph cannot hold: a read to the host (.item(), .tolist(), int(), .cpu()), a tensor
+    built from host data (torch.tensor(list)), or any op producing a CPU tensor while the step runs on meta
+    tensors (a host round trip)."""
+    with _NoHostCalls(), _NoHostOps():
+        yield
+
+
+def test_the_guard_catches_host_reads_and_host_tensors():
+    x = torch.zeros(3, device="meta")
+    for bad in (lambda: x.sum().item(), lambda: int(x[0]), lambda: x.tolist(), lambda: x.cpu(),
+                lambda: torch.tensor([1, 2], device="meta"), lambda: x.to("cpu"), lambda: torch.ones(2)):
+        with pytest.raises((AssertionError, NotImplementedError, RuntimeError)), NoHost():
+            bad()
+    with NoHost():
+        (x + 1).topk(2)
+
+
 def test_the_draft_reads_nothing_from_the_host():
-    """On meta tensors any .item(), .tolist(), int() or host copy raises: the draft levels are capturable."""
+    """On meta tensors under `NoHost`, a .item(), .tolist(), host tensor or host copy fails: the draft levels
+    of every shipped tree shape are capturable."""
     rng = random.Random(7)
-    for tree in [*shipped_trees()[:6], random_tree(rng, 16), Tree.parse("chain:4")]:
+    for tree in [*shipped_trees(), random_tree(rng, 16), Tree.parse("chain:4"), Tree.parse("chain:0")]:
         topk = required_topk(tree)
         index = TreeIndex.build(plan_tree(tree, topk, tree.max_depth), device="meta")
         assert all(t.device.type == "meta" for t in (index.first, index.parent_list, *index.rows, *index.row_offsets))
@@ -128,6 +175,8 @@ def test_the_draft_reads_nothing_from_the_host():
             out = torch.tanh(hidden)
             return (out @ w).view(-1, topk, V), out.view(-1, topk, H)
 
-        tokens = draft_tree(index, torch.empty(3, topk, dtype=torch.long, device="meta"),
-                            torch.empty(3, H, device="meta"), level, torch.empty(V, dtype=torch.long, device="meta"))
+        root_top = torch.empty(3, topk, dtype=torch.long, device="meta")
+        root_hidden, hot = torch.empty(3, H, device="meta"), torch.empty(V, dtype=torch.long, device="meta")
+        with NoHost():
+            tokens = draft_tree(index, root_top, root_hidden, level, hot)
         assert tokens.shape == (3, tree.num_nodes) and tokens.device.type == "meta"
