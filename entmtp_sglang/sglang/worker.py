@@ -49,6 +49,7 @@ from .sglang_api import (
     get_parallel,
     per_step_draft_out_cache_loc,
 )
+from .tree_index import TreeIndex, draft_tree
 from .tree_plan import plan_tree
 
 logger = logging.getLogger("entmtp_sglang.sglang")
@@ -91,6 +92,8 @@ class EntMtpWorker(EAGLEWorkerV2):
         # Each tree is laid out with its own depth as SGLang's num_steps: the accept buffers are
         # num_steps + 1 wide and must not exceed the tree's node count.
         self.plans = [plan_tree(t.tree, self.topk, t.tree.max_depth) for t in self.tree_set.trees]
+        # every index tensor a tree's draft needs, built once per tree on the server's device
+        self.indices = [TreeIndex.build(p, target_worker.model_runner.device) for p in self.plans]
         self.signal = self.tree_set.signal         # draft_entropy or draft_margin (config checks)
         self.controller = TreeController.for_tree_set(self.tree_set, self.config.policy != "entmtp-bins",
                                                       hysteresis=self.config.hysteresis,
@@ -100,7 +103,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.histogram = collections.Counter()
         self.steps = 0
         self.last_log = time.monotonic()
-        self._plan = self.plans[-1]
+        self._plan, self._tree_index = self.plans[-1], self.indices[-1]
         self._index_by_name = {t.tree.name: i for i, t in enumerate(self.tree_set.trees)}
         self._warned: set = set()
         self._last_extend = None
@@ -211,7 +214,7 @@ class EntMtpWorker(EAGLEWorkerV2):
 
     def _choose(self, batch) -> None:
         reqs = batch.reqs
-        plan, h = None, float("nan")
+        plan, index, h = None, None, float("nan")
         self._resting = False
         try:
             plain = needs_plain_decoding(reqs)   # penalties: one token per step keeps them exact
@@ -231,7 +234,7 @@ class EntMtpWorker(EAGLEWorkerV2):
             h = sum(known) / len(known) if known else unknown
             idx = self.controller.choose(inputs, len(reqs))
             if idx is not None:
-                plan = self.plans[idx]
+                plan, index = self.plans[idx], self.indices[idx]
             if plan is None or plan.num_steps == 0:   # chain:0 or no room: this step rests the drafter
                 self._resting = True
         except _Rest:
@@ -239,7 +242,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         except Exception:   # the policy must never fail a request: decode plainly this step
             logger.exception("ENTMTP: tree choice failed; this step decodes without speculation")
             self._pending.clear()
-        self._plan = plan
+        self._plan, self._tree_index = plan, index
         self._chosen = self._index_by_name.get(plan.tree.name if plan is not None else "chain:0")
         name = plan.tree.name if plan is not None else ("rest" if self._resting else "plain")
         n, steps = (plan.num_nodes, plan.num_steps) if plan is not None else (1, 0)
@@ -261,7 +264,7 @@ class EntMtpWorker(EAGLEWorkerV2):
                                    "the server with --attention-backend entmtp_torch (CPU) or "
                                    "--speculative-draft-attention-backend entmtp_torch (GPU) (draft backend: "
                                    f"{type(backend).__name__})")
-            backend.set_draft_rows(*_row_tensors(plan))
+            backend.set_draft_rows(list(index.row_offsets), list(index.row_valid))
         if time.monotonic() - self.last_log > self.config.log_interval_s:
             self.last_log = time.monotonic()
             logger.info("ENTMTP trees chosen over %d steps: %s (last batch mean %s %.2f)", self.steps,
@@ -449,66 +452,53 @@ class EntMtpWorker(EAGLEWorkerV2):
 
     # -- drafting a fixed tree ----------------------------------------------------------------------
     def _draft_forward_tree(self, forward_batch):
-        """Replaces EagleDraftWorker.draft_forward: returns (parent_list, top_scores_index, tokens, None)."""
+        """Replaces EagleDraftWorker.draft_forward: returns (parent_list, top_scores_index, tokens, None).
+        The levels run on device tensors indexed by the tree's `TreeIndex` (tree_index.py); grammar masks and
+        calibration records, when on, read the host between levels."""
         dw = self._draft_worker
-        plan = self._plan
+        plan, index = self._plan, self._tree_index
         spec_info = forward_batch.spec_info
         if forward_batch.forward_mode.is_idle():
             return dw._draft_forward_idle(forward_batch, spec_info)
         topk, steps = self.topk, plan.num_steps
-        topk_index = spec_info.topk_index                       # (bs, topk) root children by rank
+        root_top = spec_info.topk_index                        # (bs, topk) root children by rank
         hot = self.hot_token_id
         if hot is not None:
-            topk_index = hot[topk_index]
-        bs = topk_index.shape[0]
-        dev = topk_index.device
-        token: dict[int, torch.Tensor] = {}
-        hidden_out: dict[int, torch.Tensor] = {0: spec_info.hidden_states}
-        parents = plan.tree.parents
+            root_top = hot[root_top]
+        bs = root_top.shape[0]
         grammars = self._grammars if len(self._step_reqs) == bs else {}
         if grammars:
-            topk_index = topk_index.clone()
+            root_top = root_top.clone()
             for row, g in grammars.items():
                 logits = self._root_logits.get(self._step_reqs[row].rid)
                 top = None if logits is None else self._grammar_topk(logits, g, ())
                 if top is not None:
-                    topk_index[row] = top.to(topk_index)
-        for i in range(1, plan.num_nodes):
-            if plan.depth[i] == 1:
-                token[i] = topk_index[:, plan.rank[i]]
+                    root_top[row] = top.to(root_top)
         out_cache_loc = per_step_draft_out_cache_loc(forward_batch.out_cache_loc, bs, topk, steps)
-        for step, col in enumerate(plan.columns):
-            if not col:
-                break
-            rows = list(col) + [col[0]] * (topk - len(col))
-            forward_batch.input_ids = torch.stack([token[n] for n in rows], 1).flatten()
-            spec_info.hidden_states = torch.stack([hidden_out[parents[n]] for n in rows], 1).flatten(0, 1)
-            forward_batch.out_cache_loc = out_cache_loc[step]
-            with forward_context(ForwardContext(attn_backend=dw.draft_attn_backend.attn_backends[step]),
+
+        def forward_level(level, input_ids, hidden):
+            forward_batch.input_ids = input_ids
+            spec_info.hidden_states = hidden
+            forward_batch.out_cache_loc = out_cache_loc[level]
+            with forward_context(ForwardContext(attn_backend=dw.draft_attn_backend.attn_backends[level]),
                                  forward_batch=forward_batch):
-                logits_output = dw.draft_runner.forward(forward_batch).logits_output
+                out = dw.draft_runner.forward(forward_batch).logits_output
             forward_batch.positions.add_(1)
-            logits = logits_output.next_token_logits.view(bs, topk, -1)
-            hid = logits_output.hidden_states.view(bs, topk, -1)
-            top = torch.topk(logits, topk, dim=-1).indices      # (bs, topk rows, topk ranks)
+            return out.next_token_logits.view(bs, topk, -1), out.hidden_states.view(bs, topk, -1)
+
+        def on_level(level, top, logits, tokens):   # eager only: records and grammar masks read the host
             if self.observer is not None:
-                self.observer.expanded(col, logits, hot)
-            if hot is not None:
-                top = hot[top]
-            if grammars and step + 1 < steps:
-                self._grammar_children(top, logits, col, token, plan, grammars)
-            for c, n in enumerate(col):
-                hidden_out[n] = hid[:, c]
-            for i in range(1, plan.num_nodes):
-                if plan.depth[i] == step + 2:
-                    c = col.index(parents[i])
-                    token[i] = top[:, c, plan.rank[i]]
-        parent_list = torch.tensor(plan.parent_list, dtype=torch.long, device=dev).expand(bs, -1).contiguous()
-        selected = torch.tensor(plan.selected, dtype=torch.long, device=dev).expand(bs, -1).contiguous()
-        draft_tokens = torch.stack([token[i] for i in plan.selected_nodes], 1)
+                self.observer.expanded(plan.columns[level], logits, hot)
+            if grammars and level + 1 < steps:
+                self._grammar_children(top, logits, plan.columns[level], tokens, plan, grammars)
+
+        eager = self.observer is not None or bool(grammars)
+        tokens = draft_tree(index, root_top, spec_info.hidden_states, forward_level, hot,
+                            on_level if eager else None)
         if self.observer is not None:
-            self.observer.drafted(token)
-        return parent_list, selected, draft_tokens, None
+            self.observer.drafted({n: tokens[:, n] for n in range(1, plan.num_nodes)})
+        return (index.parent_list.expand(bs, -1).contiguous(), index.selected.expand(bs, -1).contiguous(),
+                tokens[:, index.selected_nodes], None)
 
     def _grammar_vocab(self, grammar, logits) -> int:
         """The target vocabulary the grammar's masks cover."""
@@ -526,12 +516,12 @@ class EntMtpWorker(EAGLEWorkerV2):
     def _grammar_children(self, top, logits, col, token, plan, grammars) -> None:
         """Replace, for constrained rows, each drafted node's children by the top-k its grammar allows."""
         parents = plan.tree.parents
-        host = {n: t.tolist() for n, t in token.items()}
+        host = token.tolist()                      # (bs, num_nodes): the nodes drafted so far
         for row, g in grammars.items():
             for c, n in enumerate(col):
                 path, a = [], n
                 while a != 0:
-                    path.append(host[a][row])
+                    path.append(host[row][a])
                     a = parents[a]
                 masked = self._grammar_topk(logits[row, c], g, path[::-1])
                 if masked is not None:
@@ -582,17 +572,3 @@ def _trace_path(trace_dir: str | None) -> Path | None:
     tp_rank = getattr(get_parallel(), "tp_rank", 0)
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
     return Path(trace_dir) / f"trees-tp{tp_rank}-pid{os.getpid()}.jsonl"
-
-
-def _row_tensors(plan):
-    offs, valid = [], []
-    for rows in plan.ancestor_offsets:
-        a = max(len(r) for r in rows)
-        o = torch.zeros(len(rows), a, dtype=torch.long)
-        v = torch.zeros(len(rows), a, dtype=torch.bool)
-        for c, r in enumerate(rows):
-            o[c, : len(r)] = torch.tensor(r, dtype=torch.long)
-            v[c, : len(r)] = True
-        offs.append(o)
-        valid.append(v)
-    return offs, valid

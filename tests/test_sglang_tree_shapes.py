@@ -1,0 +1,106 @@
+"""Every tree shape through a real SGLang server (bundled model, CPU): a set holding trees of depth 0-4 and
+widths 1-3, each tree's indices built once at start-up (sglang/tree_index.py) and switched per step; every
+request pins one tree, and greedy output equals plain decoding's at batch 1 and 8."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+from pathlib import Path
+
+import pytest
+from helpers.testing import import_sglang_or_skip
+
+from entmtp_sglang.tasks import load_prompts
+
+import_sglang_or_skip()
+
+from entmtp_sglang.calibrate.server import SGLangServer  # noqa: E402
+from entmtp_sglang.tree.treeset import load_tree_set  # noqa: E402
+
+pytestmark = pytest.mark.sglang
+ROOT = Path(__file__).resolve().parent.parent
+MAX_NEW = 24
+F32 = ("--dtype", "float32")
+# name -> parent array: depth 0-4, widths 1-3 (the widest level of "w3d3" has three nodes, two of them expanded)
+SHAPES = {
+    "chain:0": [-1],
+    "w3d1": [-1, 0, 0, 0],
+    "chain:2": [-1, 0, 1],
+    "w2d2": [-1, 0, 0, 1, 2],
+    "w3d3": [-1, 0, 0, 0, 1, 1, 2, 4],
+    "chain:4": [-1, 0, 1, 2, 3],
+    "w2d4": [-1, 0, 0, 1, 1, 3, 5],
+}
+
+
+def shapes_set(out: Path) -> Path:
+    data = json.loads((ROOT / "trees" / "entmtp-tiny-eagle-mixed.json").read_text())
+    costs = data["trees"][0]["cost_seconds"]
+    data["trees"] = [{"name": name, "parents": parents, "expected_accepted": [0.5 * (len(parents) - 1)] * 4,
+                      "cost_seconds": {b: c * (1 + 0.1 * (len(parents) - 1)) for b, c in costs.items()}}
+                     for name, parents in SHAPES.items()]
+    data.pop("predictor", None)
+    out.write_text(json.dumps(data))
+    ts = load_tree_set(out)
+    assert [t.tree.max_depth for t in ts.trees] == [0, 1, 2, 2, 3, 4, 4]
+    return out
+
+
+def prompts() -> list[str]:
+    return [it["prompt"][-600:] for task in ("code", "chat", "prose", "json") for it in load_prompts(task, "test", 2)]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("shapes")
+    ts = shapes_set(tmp / "shapes.json")
+    plain = SGLangServer.cpu(None, attention="torch_native", log_path=tmp / "plain.log", extra=F32)
+    ent = SGLangServer.cpu("ENTMTP", log_path=tmp / "entmtp.log", extra=F32,
+                           env={"ENTMTP_TREE_SET": str(ts), "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"})
+    plain.start(wait=False)
+    ent.start(wait=False)
+    try:
+        plain.wait_ready()
+        ent.wait_ready()
+        yield plain, ent
+    finally:
+        plain.stop()
+        ent.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(servers):
+    plain, _ = servers
+    return {p: plain.generate(p, MAX_NEW)["output_ids"] for p in prompts()}
+
+
+def pinned(ent, prompt: str, name: str) -> dict:
+    return ent.generate(prompt, MAX_NEW, custom_params={"entmtp_tree": name})
+
+
+def test_every_shape_serves_greedy_plain_output_at_batch_1(servers, reference):
+    _, ent = servers
+    names = list(SHAPES)
+    used, wrong = set(), []
+    for k, p in enumerate(reference):
+        for name in (names[k % len(names)], names[(k + 3) % len(names)]):
+            out = pinned(ent, p, name)
+            trees = out["meta_info"].get("entmtp_trees", [])
+            used.update(trees)
+            if out["output_ids"] != reference[p]:
+                wrong.append((name, p[:40]))
+    assert not wrong, wrong
+    assert set(names) - {"chain:0"} <= used and "rest" in used, used
+
+
+def test_every_shape_serves_greedy_plain_output_at_batch_8(servers, reference):
+    _, ent = servers
+    names = list(SHAPES)
+    items = list(reference)
+    with cf.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(lambda kp: pinned(ent, kp[1], names[kp[0] % len(names)]), enumerate(items)))
+    used = {t for o in outs for t in o["meta_info"].get("entmtp_trees", [])}
+    assert len(used - {"rest", "plain"}) >= 2, used   # one tree per batch step: several shapes over the run
+    wrong = [p[:40] for p, o in zip(items, outs) if o["output_ids"] != reference[p]]
+    assert not wrong, wrong
