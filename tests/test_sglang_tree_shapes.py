@@ -12,6 +12,7 @@ import pytest
 from helpers.testing import import_sglang_or_skip
 
 from entmtp_sglang.tasks import load_prompts
+from entmtp_sglang.tree import Tree
 
 import_sglang_or_skip()
 
@@ -37,9 +38,10 @@ SHAPES = {
 def shapes_set(out: Path) -> Path:
     data = json.loads((ROOT / "trees" / "entmtp-tiny-eagle-mixed.json").read_text())
     costs = data["trees"][0]["cost_seconds"]
-    data["trees"] = [{"name": name, "parents": parents, "expected_accepted": [0.5 * (len(parents) - 1)] * 4,
-                      "cost_seconds": {b: c * (1 + 0.1 * (len(parents) - 1)) for b, c in costs.items()}}
-                     for name, parents in SHAPES.items()]
+    trees = [Tree(tuple(parents), name=name) for name, parents in SHAPES.items()]
+    data["trees"] = [{"name": t.name, "parents": list(t.parents), "expected_accepted": [0.4 * t.max_depth] * 4,
+                      "cost_seconds": {b: c * (1 + 0.1 * (t.num_nodes - 1)) for b, c in costs.items()}}
+                     for t in trees]
     data.pop("predictor", None)
     out.write_text(json.dumps(data))
     ts = load_tree_set(out)
