@@ -135,3 +135,14 @@ def test_tracked_files_fit_what_a_gpu_check_can_carry():
         pytest.skip("not a git checkout")
     total = sum((ROOT / f).stat().st_size for f in out.stdout.split("\0") if f and (ROOT / f).is_file())
     assert total < 64 * 2**20, f"tracked files total {total / 2**20:.1f} MiB"
+
+
+def test_every_committed_result_is_in_the_results_index():
+    """bench/results/README.md names every result file committed beside it (one line per run)."""
+    out = subprocess.run(["git", "ls-files", "bench/results"], cwd=ROOT, capture_output=True, text=True)
+    if out.returncode != 0:
+        pytest.skip("not a git checkout")
+    index = (ROOT / "bench" / "results" / "README.md").read_text()
+    files = [Path(f).relative_to("bench/results").as_posix() for f in out.stdout.split()]
+    missing = [f for f in files if f != "README.md" and f not in index]
+    assert not missing, f"not in bench/results/README.md: {missing}"

@@ -15,7 +15,7 @@ import concurrent.futures as cf
 
 import pytest
 import torch
-from helpers.testing import chi_square_pvalue, import_sglang_or_skip
+from helpers.testing import chi_square_pvalue, import_sglang_or_skip, started
 
 import_sglang_or_skip()
 
@@ -95,15 +95,8 @@ def servers(tmp_path_factory):
     exact = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp.log", extra=f32)
     greedy = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp-greedy.log", extra=f32,
                               env={"ENTMTP_CPU_SAMPLING": "0"})
-    exact.start(wait=False)
-    greedy.start(wait=False)
-    try:
-        exact.wait_ready()
-        greedy.wait_ready()
+    with started(exact, greedy):
         yield exact, greedy
-    finally:
-        exact.stop()
-        greedy.stop()
 
 
 def test_sampled_entmtp_keeps_the_target_distribution(servers, prompt_ids, target_joint):

@@ -15,7 +15,7 @@ import re
 import time
 
 import pytest
-from helpers.testing import import_sglang_or_skip
+from helpers.testing import import_sglang_or_skip, plain_and_entmtp, started
 
 from entmtp_sglang.tasks import load_prompts, load_schema
 
@@ -49,18 +49,9 @@ def servers(tmp_path_factory):
     # differently, which flips near-tied argmaxes (seen: 1 prompt in 25); that is numerics, not speculation.
     # compact JSON under schemas (no free whitespace), as the reference engine's compact mode
     f32 = ("--dtype", "float32", "--constrained-json-disable-any-whitespace")
-    plain = SGLangServer.cpu(None, attention="torch_native", log_path=logs / "plain.log", extra=f32)
-    ent = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp.log", extra=f32,
-                           env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"})
-    plain.start(wait=False)
-    ent.start(wait=False)
-    try:
-        plain.wait_ready()
-        ent.wait_ready()
+    plain, ent = plain_and_entmtp(logs, f32)
+    with started(plain, ent):
         yield plain, ent
-    finally:
-        plain.stop()
-        ent.stop()
 
 
 @pytest.fixture(scope="module")

@@ -9,14 +9,13 @@ import json
 from pathlib import Path
 
 import pytest
-from helpers.testing import import_sglang_or_skip
+from helpers.testing import import_sglang_or_skip, plain_and_entmtp, started
 
 from entmtp_sglang.tasks import load_prompts
 from entmtp_sglang.tree import Tree
 
 import_sglang_or_skip()
 
-from entmtp_sglang.calibrate.server import SGLangServer  # noqa: E402
 from entmtp_sglang.tree.treeset import load_tree_set  # noqa: E402
 
 pytestmark = pytest.mark.sglang
@@ -56,19 +55,9 @@ def prompts() -> list[str]:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shapes")
-    ts = shapes_set(tmp / "shapes.json")
-    plain = SGLangServer.cpu(None, attention="torch_native", log_path=tmp / "plain.log", extra=F32)
-    ent = SGLangServer.cpu("ENTMTP", log_path=tmp / "entmtp.log", extra=F32,
-                           env={"ENTMTP_TREE_SET": str(ts), "SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1"})
-    plain.start(wait=False)
-    ent.start(wait=False)
-    try:
-        plain.wait_ready()
-        ent.wait_ready()
+    plain, ent = plain_and_entmtp(tmp, F32, {"ENTMTP_TREE_SET": str(shapes_set(tmp / "shapes.json"))})
+    with started(plain, ent):
         yield plain, ent
-    finally:
-        plain.stop()
-        ent.stop()
 
 
 @pytest.fixture(scope="module")

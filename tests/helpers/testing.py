@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 
@@ -19,6 +20,32 @@ def import_sglang_or_skip(module: str = "sglang"):
         if os.environ.get(REQUIRE_ENV) == "1":
             raise RuntimeError(f"{REQUIRE_ENV}=1 but {module} does not import ({e}); run `make sglang`") from e
         pytest.skip("SGLang is not installed (make sglang)", allow_module_level=True)
+
+
+def plain_and_entmtp(logs, extra: tuple[str, ...] = (), env: dict | None = None):
+    """Two CPU servers of the bundled model, not started: plain SGLang on its own `torch_native` backend (the
+    reference) and SGLang with ENTMTP (`env` on top of SGLang's strict idle memory check); logs in `logs`."""
+    from entmtp_sglang.calibrate.server import SGLangServer
+
+    plain = SGLangServer.cpu(None, attention="torch_native", log_path=logs / "plain.log", extra=extra)
+    ent = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp.log", extra=extra,
+                           env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(env or {})})
+    return plain, ent
+
+
+@contextlib.contextmanager
+def started(*servers):
+    """Start SGLang servers together (each loads while the others do), wait until every one is ready, yield
+    them, and stop them all at the end, whatever happened."""
+    try:
+        for s in servers:
+            s.start(wait=False)
+        for s in servers:
+            s.wait_ready()
+        yield servers
+    finally:
+        for s in servers:
+            s.stop()
 
 
 def chi_square_pvalue(counts: dict, probs: dict, min_expected: float = 5.0) -> float:
