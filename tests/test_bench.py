@@ -481,6 +481,9 @@ def test_engines_choose_the_systems_that_run():
     assert full.name == "full" and set(SGLANG_SYSTEMS) <= set(full.run_systems())
     quick = config_from_args(_args("--quick"))
     assert quick.name == "quick" and not set(SGLANG_SYSTEMS) & set(quick.run_systems())
+    # the full run measures SmolLM2; the quick one the bundled model (minutes), unless --model says otherwise
+    assert full.model_dir == "smollm2" and quick.model_dir is None
+    assert config_from_args(_args("--quick", "--model", "smollm2")).model_dir == "smollm2"
     q_sgl = config_from_args(_args("--quick", "--engines", "sglang"))
     assert q_sgl.name == "quick_sglang" and q_sgl.run_systems() == SGLANG_SYSTEMS
     ref = config_from_args(_args("--engines", "reference,transformers"))

@@ -88,9 +88,10 @@ def add_parser(sub) -> None:
                    help="torch CPU threads per process (default: 1; 0 = torch's choice). One thread keeps "
                         "timings steady on a shared machine: with 2 intra-op threads and other jobs running, "
                         "steps were measured 5-8x slower than with 1")
-    p.add_argument("--model", default="smollm2",
-                   help="smollm2 (default: SmolLM2-135M-Instruct, prepared on first use), entmtp-tiny (the "
-                        "bundled 6M model), or a model directory with drafters and shipped tree sets")
+    p.add_argument("--model", default=None,
+                   help="smollm2 (default: SmolLM2-135M-Instruct, prepared on first use; with --quick the bundled "
+                        "entmtp-tiny, which keeps the quick run under 10 minutes), entmtp-tiny (the bundled 6M "
+                        "model), or a model directory with drafters and shipped tree sets")
     p.add_argument("--out", type=Path, default=Path("bench/results"),
                    help="directory for the JSON lines, Markdown and PNGs (default: bench/results)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -121,7 +122,8 @@ def config_from_args(args):
     if args.threads is not None:
         kw["threads"] = args.threads
     # a preparable name (smollm2) is prepared when the run starts, not while parsing
-    kw["model_dir"] = str(args.model) if args.model and args.model != "entmtp-tiny" else None
+    model = args.model or ("entmtp-tiny" if args.quick else "smollm2")
+    kw["model_dir"] = None if model == "entmtp-tiny" else str(model)
     return BenchConfig(**kw)
 
 
