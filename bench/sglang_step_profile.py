@@ -6,9 +6,11 @@ time goes (ENTMTP_PROFILE, sglang/profile.py).
 
 Two servers (plain SGLang and ENTMTP as `make serve` starts it), SmolLM2, greedy, float32. Every request of a
 measurement pins one tree (`custom_params.entmtp_tree`; chain:0 = resting, with its periodic catch-up), so a step
-is that tree's step; a step's wall time is the batch's wall time over its decode steps (the most any request of
-it took), prefill included, as a user sees it. The fixed part of a speculative step is the intercept of a least-
-squares line through the trees' step times (ms = fixed + per drafted node + per draft level).
+is that tree's step. Two figures per step: the batch's wall time over its decode steps (the most any request of it
+took), prefill included, as a user sees it; and the decode step alone, the same batch's wall time less that of the
+batch asked for one token (prefill, the drafter's prefill and the first token), over the decode steps. The fixed
+part of a speculative step is the intercept of a least-squares line through the trees' step times (ms = fixed + per
+drafted node + per draft level), for each figure.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def main() -> None:
     pins = ["plain"] + [t.tree.name for t in ts.trees]
     nodes = {t.tree.name: (t.tree.num_nodes, t.tree.max_depth) for t in ts.trees}
     ms: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
+    decode: dict[tuple[str, int], list[float]] = collections.defaultdict(list)   # prefill taken out
     t0 = time.time()
     with plain, ent:
         for rep in range(args.repeats):
@@ -73,14 +76,20 @@ def main() -> None:
                     if pin != "plain":
                         params["custom_params"] = {"entmtp_tree": pin}
                     srv = plain if pin == "plain" else ent
+                    first = {**params, "max_new_tokens": 1}
+                    _, sec1 = concurrent_generate(srv, [{"text": p, "sampling_params": first} for p in batch], b)
                     outs, sec = concurrent_generate(srv, [{"text": p, "sampling_params": params} for p in batch], b)
                     ms[(pin, b)].append(step_ms(outs, sec, b, pin != "plain"))
-                    print(f"repeat {rep} batch {b} {pin}: {ms[(pin, b)][-1]:.1f} ms/step", flush=True)
+                    decode[(pin, b)].append(step_ms(outs, max(sec - sec1, 0.0), b, pin != "plain"))
+                    print(f"repeat {rep} batch {b} {pin}: {ms[(pin, b)][-1]:.1f} ms/step, decode alone "
+                          f"{decode[(pin, b)][-1]:.1f}", flush=True)
     rows = []
     for (pin, b), v in ms.items():
         n, d = nodes.get(pin, (1, 0))
         rows.append({"tree": "rest (chain:0)" if pin == "chain:0" else pin, "batch": b, "nodes": n, "depth": d,
-                     "step_ms": round(statistics.median(v), 2), "repeats_ms": [round(x, 2) for x in v]})
+                     "step_ms": round(statistics.median(v), 2), "repeats_ms": [round(x, 2) for x in v],
+                     "decode_ms": round(statistics.median(decode[(pin, b)]), 2),
+                     "decode_repeats_ms": [round(x, 2) for x in decode[(pin, b)]]})
     profile = collections.defaultdict(list)
     for line in prof.read_text().splitlines():
         r = json.loads(line)
@@ -90,27 +99,30 @@ def main() -> None:
     write(rows, stages, args, model, time.time() - t0)
 
 
-def fixed_part(rows: list[dict], b: int) -> float | None:
+def fixed_part(rows: list[dict], b: int, key: str = "step_ms") -> float | None:
     """Intercept of ms = fixed + per_node * (nodes - 1) + per_level * depth over the speculative trees."""
     pts = [r for r in rows if r["batch"] == b and r["depth"] > 0]
     if len({(r["nodes"], r["depth"]) for r in pts}) < 3:
         return None
     x = torch.tensor([[1.0, r["nodes"] - 1, r["depth"]] for r in pts], dtype=torch.float64)
-    y = torch.tensor([[r["step_ms"]] for r in pts], dtype=torch.float64)
+    y = torch.tensor([[r[key]] for r in pts], dtype=torch.float64)
     return float(torch.linalg.lstsq(x, y).solution[0, 0])
 
 
 def write(rows, stages, args, model, seconds) -> None:
-    lines = ["| batch | step | nodes | depth | ms per step (median) | vs plain step |", "|---|---|---|---|---|---|"]
+    lines = ["| batch | step | nodes | depth | ms per step, prefill shared (median) | vs plain step | "
+             "ms per decode step alone (median) | vs plain step |", "|---|---|---|---|---|---|---|---|"]
     for b in sorted({r["batch"] for r in rows}):
-        plain = next(r["step_ms"] for r in rows if r["batch"] == b and r["tree"] == "plain")
+        plain = next(r for r in rows if r["batch"] == b and r["tree"] == "plain")
         for r in sorted((r for r in rows if r["batch"] == b), key=lambda r: (r["tree"] != "plain", r["nodes"])):
             lines.append(f"| {b} | {r['tree']} | {r['nodes']} | {r['depth']} | {r['step_ms']:.1f} | "
-                         f"{r['step_ms'] / plain:.2f}x |")
-        fixed = fixed_part(rows, b)
-        if fixed is not None:
+                         f"{r['step_ms'] / plain['step_ms']:.2f}x | {r['decode_ms']:.1f} | "
+                         f"{r['decode_ms'] / max(plain['decode_ms'], 1e-9):.2f}x |")
+        fixed, alone = fixed_part(rows, b), fixed_part(rows, b, "decode_ms")
+        if fixed is not None and alone is not None:
             lines.append(f"| {b} | speculative step, fixed part (fit at 0 drafted nodes, depth 0) | | | {fixed:.1f} | "
-                         f"{fixed / plain:.2f}x |")
+                         f"{fixed / plain['step_ms']:.2f}x | {alone:.1f} | "
+                         f"{alone / max(plain['decode_ms'], 1e-9):.2f}x |")
     lines += ["", "Inside the ENTMTP worker, median ms per stage (ENTMTP_PROFILE; `catch_up` is inside `choose`, "
               "`draft_forward` inside `draft`/`draft_extend`/`catch_up`, `target_forward` inside `verify`):", "",
               "| step | batch | " + " | ".join(STAGES) + " |", "|---|---|" + "---|" * len(STAGES)]
