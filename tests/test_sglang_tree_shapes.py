@@ -1,6 +1,7 @@
 """Every tree shape through a real SGLang server (bundled model, CPU): a set holding trees of depth 0-4 and
-widths 1-3, each tree's indices built once at start-up (sglang/tree_index.py) and switched per step; every
-request pins one tree, and greedy output equals plain decoding's at batch 1 and 8."""
+widths 1-3, each tree's indices built once at start-up (sglang/tree_index.py) and one runtime state per tree
+shape (sglang/shapes.py, upstream's adaptive machinery), switched per step by tree id; every request pins one
+tree, and greedy output equals plain decoding's at batch 1 and 8."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ def prompts() -> list[str]:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("shapes")
-    plain, ent = plain_and_entmtp(tmp, F32, {"ENTMTP_TREE_SET": str(shapes_set(tmp / "shapes.json"))})
+    plain, ent = plain_and_entmtp(tmp, F32, {"ENTMTP_TREE_SET": str(shapes_set(tmp / "shapes.json")),
+                                             "ENTMTP_TREE_TRACE": str(tmp / "trace")})
     with started(plain, ent):
         yield plain, ent
 
@@ -95,3 +97,21 @@ def test_every_shape_serves_greedy_plain_output_at_batch_8(servers, reference):
     assert len(used - {"rest", "plain"}) >= 2, used   # one tree per batch step: several shapes over the run
     wrong = [p[:40] for p, o in zip(items, outs) if o["output_ids"] != reference[p]]
     assert not wrong, wrong
+
+
+def test_each_step_runs_in_its_trees_runtime_state(servers, reference):
+    """Six shapes for seven trees (chain:0 rests without one), built at start-up; every speculative step ran in the
+    state of its tree's shape (draft levels = depth, tokens verified = nodes), resting steps in none."""
+    _, ent = servers
+    for name in SHAPES:
+        pinned(ent, next(iter(reference)), name)
+    log = ent.log_path.read_text()
+    assert "ENTMTP: 6 runtime states for the 7 trees of the set" in log, log[-2000:]
+    shape = {name: [Tree(tuple(p)).max_depth, len(p)] if len(p) > 1 else None for name, p in SHAPES.items()}
+    shape["rest"] = shape["plain"] = None
+    trace = ent.log_path.parent / "trace"
+    steps = [json.loads(line) for f in trace.glob("trees-*.jsonl") for line in f.read_text().splitlines()]
+    seen = {s["tree"] for s in steps}
+    assert set(SHAPES) - {"chain:0"} <= seen and "rest" in seen, seen
+    wrong = [s for s in steps if s["state"] != shape[s["tree"]]]
+    assert not wrong, wrong[:5]

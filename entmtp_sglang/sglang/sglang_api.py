@@ -6,6 +6,8 @@ these, this is the only file to change, and the import error names the missing p
 
 from __future__ import annotations
 
+import contextlib
+
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang.srt.model_executor.cuda_graph_config import Backend as GraphBackend
@@ -27,10 +29,24 @@ def __getattr__(name):
         from sglang.srt.speculative.eagle_worker_v2 import EAGLEWorkerV2
 
         return EAGLEWorkerV2
+    if name == "SpecRuntimeState":
+        from sglang.srt.speculative.adaptive_runtime_state import SpecRuntimeState
+
+        return SpecRuntimeState
     raise AttributeError(name)
 
 
+@contextlib.contextmanager
+def draft_contexts(draft_worker):
+    """The contexts upstream's EAGLEWorkerV2.init_cuda_graphs builds its adaptive runtime states in."""
+    from sglang.srt.speculative import eagle_worker_v2 as ew
+
+    with (ew.draft_tp_context(draft_worker.parallel_layout), ew.speculative_moe_backend_context(),
+          ew.speculative_moe_a2a_backend_context()):
+        yield
+
+
 __all__ = ["AttentionBackend", "CustomSpecAlgo", "EAGLEWorkerV2", "ForwardContext", "ForwardMode",  # noqa: F822
-           "GraphBackend", "GraphPhase", "KVWriteLoc", "SpeculativeAlgorithm", "forward_context", "get_config",
-           "get_context", "get_parallel", "get_platform", "get_spec", "per_step_draft_out_cache_loc", "spec_registry",
-           "with_phase"]
+           "GraphBackend", "GraphPhase", "KVWriteLoc", "SpecRuntimeState", "SpeculativeAlgorithm", "draft_contexts",
+           "forward_context", "get_config", "get_context", "get_parallel", "get_platform", "get_spec",
+           "per_step_draft_out_cache_loc", "spec_registry", "with_phase"]

@@ -44,11 +44,14 @@ from .sglang_api import (
     EAGLEWorkerV2,
     ForwardContext,
     ForwardMode,
+    SpecRuntimeState,
+    draft_contexts,
     forward_context,
     get_context,
     get_parallel,
     per_step_draft_out_cache_loc,
 )
+from .shapes import Shape, ShapeStates
 from .tree_index import TreeIndex, draft_tree
 from .tree_plan import plan_tree
 
@@ -148,6 +151,53 @@ class EntMtpWorker(EAGLEWorkerV2):
         self._resting = False
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rid -> [(token, hidden)]
         self.profiler = _profiler(self)
+        self.shape_states: ShapeStates[SpecRuntimeState] | None = None   # built in init_cuda_graphs
+        self._state: SpecRuntimeState | None = None
+
+    # -- one runtime state per tree shape (shapes.py) ------------------------------------------------
+    def init_cuda_graphs(self):
+        """SGLang builds the start-up state (backends, and graphs where its flags capture them); then one state per
+        tree shape of the set, with upstream's `build_adaptive_runtime_state`."""
+        super().init_cuda_graphs()
+        dw = self._draft_worker
+        if dw is None:
+            return
+        runner = self._target_worker.model_runner
+        start = SpecRuntimeState(
+            speculative_num_steps=self.speculative_num_steps,
+            speculative_num_draft_tokens=self.speculative_num_draft_tokens,
+            draft_attn_backend=dw.draft_attn_backend, cuda_graph_runner=dw.cuda_graph_runner,
+            target_attn_backend=runner.attn_backend, target_graph_runner=runner.decode_cuda_graph_runner,
+            draft_extend_attn_backend=dw.draft_extend_attn_backend,
+            cuda_graph_runner_for_draft_extend=dw.cuda_graph_runner_for_draft_extend)
+        with draft_contexts(dw):
+            self.shape_states = ShapeStates.build(
+                self.plans, lambda s: self.build_adaptive_runtime_state(s.num_steps, s.num_draft_tokens),
+                built={Shape(start.speculative_num_steps, start.speculative_num_draft_tokens): start})
+        self._state = start
+        logger.info("ENTMTP: %d runtime states for the %d trees of the set (%s)", len(self.shape_states),
+                    len(self.plans), ", ".join(f"{s.num_steps} levels x {s.num_draft_tokens} tokens"
+                                               for s in sorted(self.shape_states.states)))
+
+    def _switch(self, state: SpecRuntimeState) -> None:
+        """Make `state` the worker's: what upstream's `apply_runtime_state` does, without its early return when the
+        step count is unchanged (trees of one depth differ in width) and without its log line per switch."""
+        if state is self._state:
+            return
+        dw, runner = self._draft_worker, self._target_worker.model_runner
+        self.speculative_num_steps = dw.speculative_num_steps = state.speculative_num_steps
+        self.speculative_num_draft_tokens = dw.speculative_num_draft_tokens = state.speculative_num_draft_tokens
+        dw.draft_attn_backend = dw.draft_runner.draft_attn_backend = state.draft_attn_backend
+        dw.cuda_graph_runner = state.cuda_graph_runner
+        dw.draft_extend_attn_backend = state.draft_extend_attn_backend
+        if state.draft_extend_attn_backend is not None:
+            dw.draft_runner.attn_backend = state.draft_extend_attn_backend
+        dw.cuda_graph_runner_for_draft_extend = state.cuda_graph_runner_for_draft_extend
+        runner.attn_backend = state.target_attn_backend
+        runner.decode_cuda_graph_runner = state.target_graph_runner
+        get_context().override("entmtp.tree", speculative_num_steps=state.speculative_num_steps,
+                               speculative_num_draft_tokens=state.speculative_num_draft_tokens)
+        self._state = state
 
     @property
     def hot_token_id(self) -> torch.Tensor | None:
@@ -248,15 +298,21 @@ class EntMtpWorker(EAGLEWorkerV2):
         n, steps = (plan.num_nodes, plan.num_steps) if plan is not None else (1, 0)
         self.histogram[name] += 1
         self.steps += 1
-        self._trace(reqs, name)
         self._step_reqs = list(reqs)
         for r in reqs:
             visibility.note(r, visibility.TREES, name)
         dw = self._draft_worker
-        if (self.speculative_num_draft_tokens, self.speculative_num_steps) != (n, steps):
+        states = self.shape_states
+        state = states.state_of(self._chosen) if plan is not None and states is not None else None
+        if state is not None:
+            self._switch(state)
+        elif (self.speculative_num_draft_tokens, self.speculative_num_steps) != (n, steps):
+            # resting: one token verified, no draft levels; the backends stay those of the last state
             self.speculative_num_draft_tokens = dw.speculative_num_draft_tokens = n
             self.speculative_num_steps = dw.speculative_num_steps = steps
             get_context().override("entmtp.tree", speculative_num_draft_tokens=n, speculative_num_steps=steps)
+            self._state = None
+        self._trace(reqs, name)
         if plan is not None and steps > 1:
             backend = dw.draft_attn_backend
             if not isinstance(backend, MultiStepDraftBackend):
@@ -373,10 +429,14 @@ class EntMtpWorker(EAGLEWorkerV2):
                     self.signals[rid], self.probs[rid] = sig, probs
 
     def _trace(self, reqs, name: str) -> None:
-        """ENTMTP_TREE_TRACE=DIR: one JSON line per decode step in this rank's file, so ranks can be compared."""
+        """ENTMTP_TREE_TRACE=DIR: one JSON line per decode step in this rank's file, so ranks can be compared; with
+        the runtime state the step runs in ([draft levels, tokens verified]; null when resting)."""
         if self._trace_path is not None:
+            state = self._state
+            shape = None if state is None else [state.speculative_num_steps, state.speculative_num_draft_tokens]
             with open(self._trace_path, "a") as f:
-                f.write(json.dumps({"step": self.steps, "tree": name, "rids": [r.rid for r in reqs]}) + "\n")
+                f.write(json.dumps({"step": self.steps, "tree": name, "state": shape,
+                                    "rids": [r.rid for r in reqs]}) + "\n")
 
     def _pin(self, req) -> str | None:
         """The tree this request pins, if the set holds it (an unknown name is logged once and ignored)."""
