@@ -7,7 +7,10 @@ rows as for one, 1.2-1.9x less than `F.linear` at 2-8 rows of the decoder's proj
 SmolLM2's 49k-token output layer (`bench/linear_head.py`); a verification step with 1-4 drafts costs 1.4-1.9x
 less, plain decoding 1.2x. For one row of a small projection alone the call is slower (a fixed ~0.05 ms).
 It is also batch-invariant: a row's result does not depend on how many rows share the call, so the linear
-layers give the root of a verified tree bit for bit what they give plain decoding.
+layers give the root of a verified tree bit for bit what they give plain decoding. That holds for 2 rows and more:
+for a single row oneDNN takes another kernel, which for SmolLM2's 1536-wide down projection rounds differently,
+so fewer than `MIN_ROWS` (6) rows are computed padded to 6 with zero rows. Six rows cost what one does here (the
+bundled engine's SmolLM2 decoding at 13.3 tok/s either way, 2026-12-03; oneDNN's AVX2 kernels block 6 rows).
 
 `linear(x, weight, bias)` takes that path on CPU, in float32, without autograd, when torch has oneDNN; it
 takes `F.linear` everywhere else (other devices and dtypes, training). Results differ from `F.linear`'s by
@@ -27,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 ONEDNN = os.environ.get("ENTMTP_ONEDNN", os.environ.get("ENTMTP_ONEDNN_HEAD", "1")) != "0"
+MIN_ROWS = 6   # oneDNN computes a single row apart (a 1536-wide input: other rounding); 6 rows cost what 1 does
 
 
 def _available() -> bool:
@@ -71,12 +75,16 @@ class PackedWeight:
 
 
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`x @ W.T + bias` for the packed weight W (call only where `applies`)."""
+    """`x @ W.T + bias` for the packed weight W (call only where `applies`); fewer than `MIN_ROWS` rows are
+    computed as `MIN_ROWS`, zero rows after them (module docstring)."""
     flat = x.reshape(-1, x.shape[-1])
-    if not flat.is_contiguous():
+    rows = flat.shape[0]
+    if rows < MIN_ROWS:
+        flat = torch.cat([flat, flat.new_zeros(MIN_ROWS - rows, flat.shape[1])])
+    elif not flat.is_contiguous():
         flat = flat.contiguous()
     out = torch.ops.mkldnn._linear_pointwise(flat, packed, bias, "none", [], "")
-    return out.view(*x.shape[:-1], out.shape[-1])
+    return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
 _free: dict[int, PackedWeight] = {}  # id(weight) -> its packed copy, for weights that no Linear module owns
