@@ -2,6 +2,7 @@
 and `--speculative-adaptive`, on SmolLM2-135M-Instruct on this CPU.
 
     .venv/bin/python bench/sglang_speed.py                  # about 40 minutes; writes bench/results/sglang_speed.*
+    .venv/bin/python bench/sglang_speed.py --render bench/results/sglang_speed.jsonl   # the table again, no servers
 
 Workloads (held-out prompts through the model's chat template, greedy, float32): code, chat, prose, JSON under a
 schema (the json task's schemas), tool calls under a schema (bench/workloads/tool_calls.json), each at batch 1
@@ -26,6 +27,7 @@ from entmtp_sglang.bench.sglang_benchmark import (
     PLAIN,
     Row,
     SystemSpec,
+    rows_from_jsonl,
     run_workloads,
     to_markdown,
     write,
@@ -85,9 +87,15 @@ def mixed_rows(rows: list[Row], batches) -> list[Row]:
             if part:
                 eq = [r.equal_to_plain for r in part]
                 trees = sum((r.trees for r in part), start=type(part[0].trees)())
+                # per repeat: every task's tokens (the same each repeat, greedy) over its seconds in that repeat
+                reps = {len(r.repeat_tokens_per_s) for r in part}
+                per_repeat = ([round(sum(r.tokens for r in part)
+                                     / sum(r.tokens / r.repeat_tokens_per_s[i] for r in part), 2)
+                               for i in range(reps.pop())] if len(reps) == 1 else [])
                 out.append(Row(system, b, sum(r.tokens for r in part), sum(r.seconds for r in part),
                                [a for r in part for a in r.accept_lengths], trees,
-                               None if None in eq else sum(eq), sum(r.requests for r in part), task="mixed"))
+                               None if None in eq else sum(eq), sum(r.requests for r in part), per_repeat,
+                               task="mixed"))
     return out
 
 
@@ -101,7 +109,16 @@ def main() -> None:
     ap.add_argument("--systems", default=",".join(DEFAULT), help="comma-separated, from: " + ", ".join(
         s.name for s in SYSTEMS) + " (default: %(default)s; each server holds about 4 GiB)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--render", type=Path, metavar="JSONL",
+                    help="start no server: draw the Markdown table again from a run's JSON lines (into --out)")
     args = ap.parse_args()
+    if args.render is not None:
+        rows = [r for r in rows_from_jsonl(args.render) if not (r.task == "mixed" and r.batch in (1, 4))]
+        rows += mixed_rows(rows, (1, 4))
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "sglang_speed.md").write_text(to_markdown(rows) + "\n")
+        print(to_markdown(rows))
+        return
     from transformers import AutoTokenizer
 
     model = resolve_alias(args.model)

@@ -148,3 +148,21 @@ def test_the_backoff_benchmark_serves_a_set_of_chain0_alone(tmp_path):
     assert [t.tree.name for t in ts.trees] == ["chain:0"]
     assert ts.trees[0].cost_seconds == load_tree_set(shipped).trees[0].cost_seconds
     assert ts.predictor is None
+
+
+def test_the_mixed_stream_at_batch_1_and_4_is_summed_per_repeat_too():
+    """bench/sglang_speed.py's mixed rows: tokens over seconds added up over the tasks, for the median row and for
+    each repeat (every task's tokens over its seconds in that repeat), so the paired ratio covers them."""
+    from entmtp_sglang.bench.sglang_benchmark import Row, paired_ratio
+
+    speed = load_script("sglang_speed")
+    rows = [Row("plain", 1, 100, 10.0, requests=4, repeat_tokens_per_s=[10.0, 5.0], task="code"),
+            Row("plain", 1, 300, 10.0, requests=4, repeat_tokens_per_s=[30.0, 15.0], task="json"),
+            Row("entmtp", 1, 100, 5.0, requests=4, equal_to_plain=4, repeat_tokens_per_s=[20.0, 10.0], task="code"),
+            Row("entmtp", 1, 300, 15.0, requests=4, equal_to_plain=3, repeat_tokens_per_s=[20.0, 10.0],
+                task="json")]
+    plain, ent = speed.mixed_rows(rows, (1,))
+    assert (plain.system, plain.task, plain.tokens, plain.seconds) == ("plain", "mixed", 400, 20.0)
+    assert plain.repeat_tokens_per_s == [20.0, 10.0]          # 400 tokens over 10 + 10 s, then 20 + 20 s
+    assert ent.repeat_tokens_per_s == [20.0, 10.0] and ent.equal_to_plain == 7 and ent.requests == 8
+    assert paired_ratio(ent, plain) == 1.0

@@ -327,20 +327,46 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "commit": commit}
 
 
+def paired_ratio(row: Row, plain: Row) -> float | None:
+    """The median over repeats of row / plain within each repeat (systems run interleaved, so a repeat's drift of
+    the shared machine hits both); None without the same number of repeats on both sides."""
+    a, b = row.repeat_tokens_per_s, plain.repeat_tokens_per_s
+    if not a or len(a) != len(b) or not all(b):
+        return None
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
 def to_markdown(rows: list[Row]) -> str:
-    plain = {(r.task, r.batch): r.tokens_per_s for r in rows if r.system == "plain"}
+    """The table: tokens/s (median over repeats) and its ratio to plain's median, and the paired ratio (median of
+    the per-repeat ratios, `paired_ratio`), which the machine's drift between repeats moves less."""
+    plain = {(r.task, r.batch): r for r in rows if r.system == "plain"}
     tasks = any(r.task for r in rows)
-    lines = [("| task " if tasks else "") + "| system | batch | tokens/s (median) | vs plain | mean accepted length "
-             "| greedy = plain | trees chosen |", ("|---" if tasks else "") + "|---|---|---|---|---|---|---|"]
+    lines = [("| task " if tasks else "") + "| system | batch | tokens/s (median) | vs plain | vs plain, paired "
+             "| mean accepted length | greedy = plain | trees chosen |",
+             ("|---" if tasks else "") + "|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        key = (r.task, r.batch)
-        ratio = f"{r.tokens_per_s / plain[key]:.2f}x" if key in plain else ""
+        base = plain.get((r.task, r.batch))
+        ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base is not None else ""
+        paired = paired_ratio(r, base) if base is not None else None
         trees = ", ".join(f"{k} {v}" for k, v in r.trees.most_common(4))
         eq = "" if r.equal_to_plain is None else f"{r.equal_to_plain}/{r.requests}"
         acc = "" if r.mean_accept is None else f"{r.mean_accept:.2f}"
-        lines.append((f"| {r.task} " if tasks else "")
-                     + f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio} | {acc} | {eq} | {trees} |")
+        lines.append((f"| {r.task} " if tasks else "") + f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio} | "
+                     f"{'' if paired is None else f'{paired:.2f}x'} | {acc} | {eq} | {trees} |")
     return "\n".join(lines)
+
+
+def rows_from_jsonl(path: Path) -> list[Row]:
+    """The rows a run wrote with `write` (its Markdown can be drawn again from them)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        d = json.loads(line)
+        if "system" not in d:
+            continue
+        acc = [] if d.get("mean_accept_length") is None else [d["mean_accept_length"]]
+        out.append(Row(d["system"], d["batch"], d["tokens"], d["seconds"], acc, collections.Counter(d["trees"]),
+                       d["equal_to_plain"], d["requests"], list(d.get("repeat_tokens_per_s") or []), d["task"]))
+    return out
 
 
 def write(rows: list[Row], out_dir: Path, config: dict, name: str = "sglang_cpu") -> None:
