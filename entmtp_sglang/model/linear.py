@@ -10,7 +10,7 @@ It is also batch-invariant: a row's result does not depend on how many rows shar
 layers give the root of a verified tree bit for bit what they give plain decoding. That holds for 2 rows and more:
 for a single row oneDNN takes another kernel, which for SmolLM2's 1536-wide down projection rounds differently,
 so fewer than `MIN_ROWS` (6) rows are computed padded to 6 with zero rows. Six rows cost what one does here (the
-bundled engine's SmolLM2 decoding at 13.3 tok/s either way, 2026-12-03; oneDNN's AVX2 kernels block 6 rows).
+reference engine decoding SmolLM2 at 13.3 tok/s either way, measured 2026-12-03).
 
 `linear(x, weight, bias)` takes that path on CPU, in float32, without autograd, when torch has oneDNN; it
 takes `F.linear` everywhere else (other devices and dtypes, training). Results differ from `F.linear`'s by
