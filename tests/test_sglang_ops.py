@@ -626,11 +626,21 @@ def test_install_never_shadows_a_real_sgl_kernel(monkeypatch, cpu_engine):
 # ------------------------------------------------------------------------------------------------
 # Optional: SGLang's own Triton kernels, run by the Triton interpreter
 # ------------------------------------------------------------------------------------------------
+def _installed_spec_tree() -> str | None:
+    """SGLang's spec_tree.py in the installed SGLang (found without importing SGLang)."""
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return os.path.join(list(spec.submodule_search_locations)[0], "kernels", "ops", "speculative", "spec_tree.py")
+
+
 @pytest.mark.slow
 def test_against_sglang_triton_kernels_interpreted(monkeypatch):
-    path = os.environ.get("ENTMTP_SGLANG_SPEC_TREE")
+    path = os.environ.get("ENTMTP_SGLANG_SPEC_TREE") or _installed_spec_tree()
     if not path or not os.path.exists(path):
-        pytest.skip("set ENTMTP_SGLANG_SPEC_TREE to sglang/kernels/ops/speculative/spec_tree.py")
+        pytest.skip("no SGLang: set ENTMTP_SGLANG_SPEC_TREE to sglang/kernels/ops/speculative/spec_tree.py")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     triton = pytest.importorskip("triton")
     import triton.language as tl  # noqa: PLC0415
