@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     rows: list[Row] = []
-    reference: dict[int, list] = {}
+    reference: dict[tuple[str, int], list] = {}
     started: dict[str, str | None] = {}
     t0 = time.time()
     for spec, srv in servers:
@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
             with srv:
                 srv.generate("warm up", 8)
                 for b in batches:
-                    row = measure(srv, spec, prompts, b, args.max_new_tokens, reference)
+                    row = measure(srv, spec, [generate_payload(p, args.max_new_tokens) for p in prompts], b, reference)
                     rows.append(row)
                     print(f"{spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, accept {row.mean_accept or 0:.2f}, "
                           f"equal to plain {row.equal_to_plain}/{row.requests}", flush=True)

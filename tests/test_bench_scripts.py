@@ -166,3 +166,27 @@ def test_the_mixed_stream_at_batch_1_and_4_is_summed_per_repeat_too():
     assert plain.repeat_tokens_per_s == [20.0, 10.0]          # 400 tokens over 10 + 10 s, then 20 + 20 s
     assert ent.repeat_tokens_per_s == [20.0, 10.0] and ent.equal_to_plain == 7 and ent.requests == 8
     assert paired_ratio(ent, plain) == 1.0
+
+
+def test_the_mixed_stream_pairs_with_plain_run_beside_it_in_waves():
+    """A system measured in a later wave carries plain's runs of that wave; its mixed row sums them as it sums its
+    own, and the results get ENTMTP's table against the best static setting and adaptive."""
+    from entmtp_sglang.bench.sglang_benchmark import Row, paired_ratio
+
+    speed = load_script("sglang_speed")
+    rows = [Row("plain", 1, 100, 10.0, requests=4, repeat_tokens_per_s=[10.0, 10.0, 5.0, 5.0], task="code"),
+            Row("plain", 1, 300, 10.0, requests=4, repeat_tokens_per_s=[30.0, 30.0, 15.0, 15.0], task="json"),
+            Row("entmtp", 1, 100, 5.0, requests=4, equal_to_plain=4, repeat_tokens_per_s=[20.0, 20.0], task="code",
+                plain_repeat_tokens_per_s=[10.0, 10.0]),
+            Row("entmtp", 1, 300, 10.0, requests=4, equal_to_plain=4, repeat_tokens_per_s=[30.0, 30.0],
+                task="json", plain_repeat_tokens_per_s=[30.0, 30.0]),
+            Row("eagle-s1-k1-n2", 1, 100, 10.0, requests=4, equal_to_plain=4, repeat_tokens_per_s=[5.0, 5.0],
+                task="code", plain_repeat_tokens_per_s=[5.0, 5.0]),
+            Row("eagle-s1-k1-n2", 1, 300, 20.0, requests=4, equal_to_plain=4, repeat_tokens_per_s=[15.0, 15.0],
+                task="json", plain_repeat_tokens_per_s=[15.0, 15.0])]
+    mixed = {r.system: r for r in speed.mixed_rows(rows, (1,))}
+    assert mixed["entmtp"].plain_repeat_tokens_per_s == [20.0, 20.0]      # 400 tokens over 10 + 10 s
+    assert paired_ratio(mixed["entmtp"], mixed["plain"]) == pytest.approx(400 / 15 / 20, abs=1e-3)
+    assert paired_ratio(mixed["eagle-s1-k1-n2"], mixed["plain"]) == 1.0
+    text = speed.tables(rows + list(mixed.values()))
+    assert "| mixed | 1 | 1.33x (eagle-s1-k1-n2) |  |" in text, text

@@ -4,6 +4,8 @@ tests/test_sglang_server.py and by `bench/sglang_cpu.py`.)"""
 
 from __future__ import annotations
 
+import pytest
+
 from entmtp_sglang.bench import sglang_benchmark as b
 
 
@@ -59,3 +61,85 @@ def test_the_paired_ratio_follows_each_repeat_and_the_table_can_be_drawn_again(t
     by["plain"].repeat_tokens_per_s = [10, 40, 50]
     b.write(med, tmp_path, {"model": "test"}, name="run")
     assert b.to_markdown(b.rows_from_jsonl(tmp_path / "run.jsonl")) == table
+
+
+class _Server:
+    """Answers /generate like SGLang (token ids equal to plain's unless told otherwise) and says which servers were
+    up at each request: the bookkeeping of waves, without model servers (those run in bench/sglang_speed.py)."""
+
+    up: set = set()
+    seen: list = []
+
+    def __init__(self, name, differ=False):
+        self.name, self.differ, self.running, self.log_path = name, differ, False, None
+
+    def start(self, wait=True):
+        self.running = True
+        _Server.up.add(self.name)
+        return self
+
+    def wait_ready(self):
+        pass
+
+    def generate(self, text, n):
+        return {}
+
+    def post(self, path, payload):
+        _Server.seen.append((self.name, frozenset(_Server.up)))
+        ids = [1, 2, 3] if not self.differ else [1, 2, 4]
+        return {"output_ids": ids, "meta_info": {"completion_tokens": 3}}
+
+    def stop(self):
+        self.running = False
+        _Server.up.discard(self.name)
+
+
+class _Spec:
+    def __init__(self, name, speculative=None, differ=False):
+        self.name, self.speculative, self.differ = name, speculative, differ
+
+    def server(self, log_dir, device_args, *model):
+        return _Server(self.name, self.differ)
+
+
+def test_waves_keep_plain_up_and_pair_each_system_with_the_plain_run_beside_it(tmp_path):
+    """Seven systems, four servers at once: two waves, plain in both, never more than four up; each system's paired
+    ratio divides by plain's runs of its own wave; outputs are compared with plain's in every wave."""
+    plain, *others = [_Spec("plain")] + [_Spec(f"s{i}", "EAGLE", differ=(i == 5)) for i in range(6)]
+    plan = b.waves([plain, *others], 4)
+    assert [[s.name for s in w] for w in plan] == [["plain", "s0", "s1", "s2"], ["plain", "s3", "s4", "s5"]]
+    assert b.waves([plain, *others], None) == [[plain, *others]]
+    with pytest.raises(ValueError, match="at_once"):
+        b.waves([plain, *others], 1)
+    with pytest.raises(ValueError, match="none without speculation"):
+        b.waves(others, 3)
+
+    _Server.up.clear()
+    _Server.seen.clear()
+    work = {"code": ([{"text": "a"}, {"text": "b"}], (1, 2))}
+    done = []
+    rows = b.run_workloads([plain, *others], work, repeats=2, log_dir=tmp_path, progress=lambda *a: None,
+                           on_repeat=lambda rows, n: done.append(n), at_once=4)
+    assert max(len(up) for _, up in _Server.seen) == 4 and not _Server.up      # all stopped at the end
+    assert {n for n, up in _Server.seen if "s3" in up} == {"plain", "s3", "s4", "s5"}
+    assert done == [1, 2, 3, 4]
+    by = {(r.system, r.batch): r for r in rows}
+    assert len(by[("plain", 1)].repeat_tokens_per_s) == 4                     # 2 waves x 2 repeats
+    assert by[("s4", 1)].plain_repeat_tokens_per_s == by[("plain", 1)].repeat_tokens_per_s[2:]
+    assert by[("s0", 2)].plain_repeat_tokens_per_s == by[("plain", 2)].repeat_tokens_per_s[:2]
+    assert by[("s4", 1)].equal_to_plain == 2 and by[("s5", 1)].equal_to_plain == 0
+    assert by[("plain", 1)].plain_repeat_tokens_per_s == []
+
+
+def test_the_versus_table_divides_paired_ratios_and_names_the_best():
+    def row(system, tps, beside=()):
+        return b.Row(system, 1, 10, 1.0, requests=1, repeat_tokens_per_s=list(tps), task="code",
+                     plain_repeat_tokens_per_s=list(beside))
+
+    rows = [row("plain", [10, 10, 20, 20]),
+            row("entmtp", [15, 15], [10, 10]),             # 1.5x plain beside it
+            row("eagle-adaptive", [12, 12], [10, 10]),     # 1.2x
+            row("eagle-s1", [26, 26], [20, 20]),           # 1.3x, measured in the second wave
+            row("eagle-s3", [22, 22], [20, 20])]           # 1.1x
+    table = b.versus(rows, "entmtp", {"best static EAGLE": ["eagle-s1", "eagle-s3"], "adaptive": ["eagle-adaptive"]})
+    assert "| code | 1 | 1.15x (eagle-s1) | 1.25x (eagle-adaptive) |" in table, table

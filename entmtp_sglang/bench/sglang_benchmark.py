@@ -63,7 +63,8 @@ class SystemSpec:
 
 
 PLAIN = SystemSpec("plain", None, attention="torch_native")
-EAGLE_GRID = (SystemSpec("eagle-s2-k1-n3", "EAGLE", 2, 1, 3),
+EAGLE_GRID = (SystemSpec("eagle-s1-k1-n2", "EAGLE", 1, 1, 2),
+              SystemSpec("eagle-s2-k1-n3", "EAGLE", 2, 1, 3),
               SystemSpec("eagle-s3-k1-n4", "EAGLE", 3, 1, 4),
               SystemSpec("eagle-s3-k2-n6", "EAGLE", 3, 2, 6))
 ADAPTIVE = SystemSpec("eagle-adaptive", "EAGLE", 3, 1, 4, adaptive=True)
@@ -141,6 +142,13 @@ class ServerPool:
             raise ServerError(f"SGLang server {name} has exited:\n{srv.log_tail()}")
         return srv
 
+    def retire(self, name: str) -> None:
+        """Stop one server and forget its configuration (the next `start` does not bring it back)."""
+        self.specs.pop(name, None)
+        srv = self.servers.pop(name, None)
+        if srv is not None:
+            srv.stop()
+
     def stop(self) -> None:
         servers, self.servers = self.servers, {}
         for srv in servers.values():
@@ -215,6 +223,8 @@ class Row:
     requests: int = 0
     repeat_tokens_per_s: list[float] = field(default_factory=list)
     task: str = ""
+    # plain decoding's tokens/s measured beside each repeat (same wave, same repeat); empty: plain's own repeats
+    plain_repeat_tokens_per_s: list[float] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
@@ -233,29 +243,6 @@ def bench_prompts(per_task: int) -> list[str]:
     return out
 
 
-def run_batch(srv: SGLangServer, prompts: list[str], batch: int, max_new: int) -> tuple[list[dict], float]:
-    return concurrent_generate(srv, [generate_payload(p, max_new) for p in prompts], batch)
-
-
-def measure(srv: SGLangServer, spec: SystemSpec, prompts: list[str], batch: int, max_new: int,
-            reference: dict[int, list]) -> Row:
-    """`prompts` through `srv` with `batch` requests in flight: one Row. Plain decoding's outputs (token ids)
-    become `reference[batch]`; a speculative system's are compared with them (`equal_to_plain`)."""
-    outs, secs = run_batch(srv, prompts, batch, max_new)
-    row = Row(spec.name, batch, sum(o["meta_info"]["completion_tokens"] for o in outs), secs, requests=len(outs))
-    for o in outs:
-        m = o["meta_info"]
-        if m.get("spec_verify_ct"):
-            row.accept_lengths.append(m["spec_accept_length"])
-        row.trees.update(m.get("entmtp_trees", []))
-    ids = [o["output_ids"] for o in outs]
-    if spec.speculative is None:
-        reference.setdefault(batch, ids)
-    elif batch in reference:
-        row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[batch]))
-    return row
-
-
 def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64, repeats: int = 3,
         log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
         on_repeat=None, model: Path | None = None, starts_at_once: int | None = None) -> list[Row]:
@@ -266,52 +253,102 @@ def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int
                          model, starts_at_once)
 
 
+def waves(systems, at_once: int | None) -> list[list]:
+    """The order servers come up in when no more than `at_once` fit in memory together: the first system without
+    speculation (plain decoding, every ratio's reference) in every wave, the others `at_once - 1` at a time, in the
+    order given. One wave holding everything when they all fit (`at_once` None or large enough)."""
+    systems = list(systems)
+    if at_once is None or len(systems) <= at_once:
+        return [systems]
+    if at_once < 2:
+        raise ValueError(f"at_once must be >= 2 (plain decoding and one system under test), got {at_once}")
+    ref = next((s for s in systems if s.speculative is None), None)
+    if ref is None:
+        raise ValueError("more systems than fit at once, and none without speculation to pair each wave with")
+    rest = [s for s in systems if s is not ref]
+    k = at_once - 1
+    return [[ref, *rest[i:i + k]] for i in range(0, len(rest), k)]
+
+
 def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...]]], repeats: int = 3,
                   log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
-                  on_repeat=None, model: Path | None = None, starts_at_once: int | None = None) -> list[Row]:
+                  on_repeat=None, model: Path | None = None, starts_at_once: int | None = None,
+                  at_once: int | None = None) -> list[Row]:
     """`run` over named workloads: task -> (/generate payloads, batch sizes). For each repeat, each task, each
     batch size, each system in turn; every speculative output is compared with the first system without
-    speculation (plain decoding) on the same payloads."""
+    speculation (plain decoding) on the same payloads.
+
+    `at_once`: the most servers up together (memory). With more systems than that they run in `waves`: plain
+    decoding stays up and is measured again in every wave, and each system's paired ratio divides by plain's
+    tokens/s in the same wave and repeat. `on_repeat(rows, done)` after each repeat of each wave (`done`: repeats
+    finished over all waves)."""
     pool = ServerPool(log_dir, ("--dtype", dtype), progress, model=model, starts_at_once=starts_at_once)
-    for spec in systems:
-        pool.add(spec)
     keys = [(task, b) for task, (_, batches) in workloads.items() for b in batches]
-    with pool:
-        runs: dict[tuple[str, str, int], list[Row]] = collections.defaultdict(list)
-        reference: dict[tuple[str, int], list] = {}
-        for rep in range(repeats):
-            for task, b in keys:
-                for spec in systems:
-                    outs, secs = concurrent_generate(pool[spec.name], workloads[task][0], b)
-                    row = Row(spec.name, b, sum(o["meta_info"]["completion_tokens"] for o in outs), secs,
-                              requests=len(outs), task=task)
-                    for o in outs:
-                        m = o["meta_info"]
-                        if m.get("spec_verify_ct"):
-                            row.accept_lengths.append(m["spec_accept_length"])
-                        row.trees.update(m.get("entmtp_trees", []))
-                    ids = [o["output_ids"] for o in outs]
-                    if spec.speculative is None:
-                        reference.setdefault((task, b), ids)
-                    elif (task, b) in reference:
-                        row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[(task, b)]))
-                    runs[(spec.name, task, b)].append(row)
-                    progress(f"repeat {rep} {task or 'all'} {spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, "
-                             f"accept {row.mean_accept or 0:.2f}, equal {row.equal_to_plain}/{len(ids)}")
-            if on_repeat is not None:
-                on_repeat(_medians(runs, systems, keys), rep + 1)
-    return _medians(runs, systems, keys)
+    runs: dict[tuple[str, str, int], list[Row]] = collections.defaultdict(list)
+    partners: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
+    reference: dict[tuple[str, int], list] = {}
+    plan = waves(systems, at_once)
+    try:
+        for w, wave in enumerate(plan):
+            for name in [n for n in pool.specs if n not in {s.name for s in wave}]:
+                pool.retire(name)
+            for spec in wave:
+                pool.add(spec)
+            pool.start()
+            if len(plan) > 1:
+                progress(f"wave {w + 1}/{len(plan)}: {', '.join(s.name for s in wave)}")
+            for rep in range(repeats):
+                for task, b in keys:
+                    plain_tps = None
+                    for spec in wave:
+                        row = measure(pool[spec.name], spec, workloads[task][0], b, reference, task)
+                        runs[(spec.name, task, b)].append(row)
+                        if spec.speculative is None and plain_tps is None:
+                            plain_tps = row.tokens_per_s
+                        elif plain_tps is not None:
+                            partners[(spec.name, task, b)].append(round(plain_tps, 2))
+                        progress(f"repeat {rep} {task or 'all'} {spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, "
+                                 f"accept {row.mean_accept or 0:.2f}, equal {row.equal_to_plain}/{row.requests}")
+                if on_repeat is not None:
+                    on_repeat(_medians(runs, systems, keys, partners), w * repeats + rep + 1)
+    finally:
+        pool.stop()
+    return _medians(runs, systems, keys, partners)
 
 
-def _medians(runs, systems, keys) -> list[Row]:
+def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: int,
+            reference: dict[tuple[str, int], list], task: str = "") -> Row:
+    """`payloads` (/generate) through `srv` with `batch` requests in flight: one Row. Plain decoding's outputs
+    (token ids) become `reference[(task, batch)]`; a speculative system's are compared with them
+    (`equal_to_plain`)."""
+    outs, secs = concurrent_generate(srv, payloads, batch)
+    row = Row(spec.name, batch, sum(o["meta_info"]["completion_tokens"] for o in outs), secs,
+              requests=len(outs), task=task)
+    for o in outs:
+        m = o["meta_info"]
+        if m.get("spec_verify_ct"):
+            row.accept_lengths.append(m["spec_accept_length"])
+        row.trees.update(m.get("entmtp_trees", []))
+    ids = [o["output_ids"] for o in outs]
+    if spec.speculative is None:
+        reference.setdefault((task, batch), ids)
+    elif (task, batch) in reference:
+        row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[(task, batch)]))
+    return row
+
+
+def _medians(runs, systems, keys, partners=None) -> list[Row]:
     rows = []
     for task, b in keys:
         for spec in systems:
-            rs = runs[(spec.name, task, b)]
+            rs = runs.get((spec.name, task, b))
+            if not rs:
+                continue
             med = sorted(rs, key=lambda r: r.tokens_per_s)[len(rs) // 2]
             eq = [r.equal_to_plain for r in rs if r.equal_to_plain is not None]
             med.equal_to_plain = min(eq) if eq else None
             med.repeat_tokens_per_s = [round(r.tokens_per_s, 2) for r in rs]
+            med.plain_repeat_tokens_per_s = list((partners or {}).get((spec.name, task, b), ()))
             rows.append(med)
     return rows
 
@@ -329,8 +366,9 @@ def machine() -> dict:
 
 def paired_ratio(row: Row, plain: Row) -> float | None:
     """The median over repeats of row / plain within each repeat (systems run interleaved, so a repeat's drift of
-    the shared machine hits both); None without the same number of repeats on both sides."""
-    a, b = row.repeat_tokens_per_s, plain.repeat_tokens_per_s
+    the shared machine hits both); plain's tokens/s beside each repeat when the row carries them (`waves`), else
+    plain's own repeats. None without the same number of repeats on both sides."""
+    a, b = row.repeat_tokens_per_s, row.plain_repeat_tokens_per_s or plain.repeat_tokens_per_s
     if not a or len(a) != len(b) or not all(b):
         return None
     return statistics.median(x / y for x, y in zip(a, b))
@@ -356,6 +394,32 @@ def to_markdown(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def versus(rows: list[Row], subject: str, others: dict[str, list[str]]) -> str:
+    """A table of `subject` against groups of other systems, per task and batch: the subject's paired ratio to
+    plain divided by the best paired ratio of each group (`others`: heading -> system names), which is named. Each
+    paired ratio divides by plain measured beside it, so systems measured in different waves compare through
+    plain."""
+    plain = {(r.task, r.batch): r for r in rows if r.system == "plain"}
+    by = {(r.system, r.task, r.batch): r for r in rows}
+    keys = list(dict.fromkeys((r.task, r.batch) for r in rows if r.system == subject))
+    lines = ["| task | batch | " + " | ".join(f"{subject} vs {h}" for h in others) + " |",
+             "|---|---|" + "---|" * len(others)]
+    for task, b in keys:
+        base = plain.get((task, b))
+        mine = paired_ratio(by[(subject, task, b)], base) if base is not None else None
+        cells = []
+        for names in others.values():
+            theirs = [(paired_ratio(by[(n, task, b)], base), n) for n in names if (n, task, b) in by and base]
+            theirs = [(x, n) for x, n in theirs if x]
+            if mine is None or not theirs:
+                cells.append("")
+                continue
+            best, name = max(theirs)
+            cells.append(f"{mine / best:.2f}x ({name})")
+        lines.append(f"| {task} | {b} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def rows_from_jsonl(path: Path) -> list[Row]:
     """The rows a run wrote with `write` (its Markdown can be drawn again from them)."""
     out = []
@@ -365,7 +429,8 @@ def rows_from_jsonl(path: Path) -> list[Row]:
             continue
         acc = [] if d.get("mean_accept_length") is None else [d["mean_accept_length"]]
         out.append(Row(d["system"], d["batch"], d["tokens"], d["seconds"], acc, collections.Counter(d["trees"]),
-                       d["equal_to_plain"], d["requests"], list(d.get("repeat_tokens_per_s") or []), d["task"]))
+                       d["equal_to_plain"], d["requests"], list(d.get("repeat_tokens_per_s") or []), d["task"],
+                       list(d.get("plain_repeat_tokens_per_s") or [])))
     return out
 
 
@@ -378,5 +443,6 @@ def write(rows: list[Row], out_dir: Path, config: dict, name: str = "sglang_cpu"
                                 "seconds": round(r.seconds, 3), "tokens_per_s": round(r.tokens_per_s, 2),
                                 "mean_accept_length": r.mean_accept, "equal_to_plain": r.equal_to_plain,
                                 "requests": r.requests, "trees": dict(r.trees),
-                                "repeat_tokens_per_s": r.repeat_tokens_per_s}) + "\n")
+                                "repeat_tokens_per_s": r.repeat_tokens_per_s,
+                                "plain_repeat_tokens_per_s": r.plain_repeat_tokens_per_s}) + "\n")
     (out_dir / f"{name}.md").write_text(to_markdown(rows) + "\n")
