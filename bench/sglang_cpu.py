@@ -26,6 +26,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--systems", default="",
                     help="comma-separated subset of: " + ", ".join(s.name for s in DEFAULT_SYSTEMS))
+    ap.add_argument("--at-once", type=int, default=None, help="the most servers up together; more systems run in "
+                    "waves, plain decoding in each (default: all at once)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     batches = tuple(int(b) for b in args.batches.split(","))
@@ -39,7 +41,7 @@ def main() -> None:
     systems = [s for s in DEFAULT_SYSTEMS if not names or s.name in names]
     config["systems"] = [s.name for s in systems]
     rows = run(systems, batches=batches, per_task=args.per_task, max_new=args.max_new_tokens, repeats=args.repeats,
-               log_dir=ROOT / "runs" / "sglang-bench", on_repeat=save)
+               log_dir=ROOT / "runs" / "sglang-bench", on_repeat=save, at_once=args.at_once)
     print(to_markdown(rows))
     print(f"duration {time.time() - t0:.0f} s")
 

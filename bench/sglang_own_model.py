@@ -54,6 +54,8 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=6000,
                     help="each server's KV pool in tokens (default: 6000; eight SmolLM2 servers at SGLang's "
                          "20000 do not fit in 24 GiB)")
+    ap.add_argument("--at-once", type=int, default=None, help="the most servers up together; more systems run in "
+                    "waves, plain decoding in each (default: all at once)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     args = ap.parse_args()
     model = resolve_alias(args.model)
@@ -90,7 +92,7 @@ def main() -> None:
 
     rows = run(systems, batches, args.per_task, args.max_new_tokens, args.repeats,
                log_dir=ROOT / "runs" / "sglang-own-model", on_repeat=save, model=served,
-               starts_at_once=2)  # a SmolLM2 server peaks at several GB while it loads
+               starts_at_once=2, at_once=args.at_once)  # a SmolLM2 server peaks at several GB while it loads
     save(rows, args.repeats)
     print(to_markdown(rows))
     print(f"duration {time.time() - t0:.0f} s")

@@ -245,12 +245,14 @@ def bench_prompts(per_task: int) -> list[str]:
 
 def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int = 64, repeats: int = 3,
         log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
-        on_repeat=None, model: Path | None = None, starts_at_once: int | None = None) -> list[Row]:
-    """All servers up at once (idle ones sleep), measurements interleaved: for each repeat, each batch size,
-    each system in turn; tokens/s is the median over repeats, so load from elsewhere hits all alike."""
+        on_repeat=None, model: Path | None = None, starts_at_once: int | None = None,
+        at_once: int | None = None) -> list[Row]:
+    """All servers up at once (idle ones sleep; at most `at_once` of them, in `waves`), measurements interleaved:
+    for each repeat, each batch size, each system in turn; tokens/s is the median over repeats, so load from
+    elsewhere hits all alike."""
     payloads = [generate_payload(p, max_new) for p in bench_prompts(per_task)]
     return run_workloads(systems, {"": (payloads, tuple(batches))}, repeats, log_dir, dtype, progress, on_repeat,
-                         model, starts_at_once)
+                         model, starts_at_once, at_once)
 
 
 def waves(systems, at_once: int | None) -> list[list]:
