@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entmtp_sglang.sglang.gather import attend, extend_plan, rows_plan, verify_plan
+from entmtp_sglang.sglang.gather import attend, decode_plan, extend_plan, rows_plan, verify_plan
 from entmtp_sglang.tree import Tree, build_buffers
 
 
@@ -86,3 +86,38 @@ def test_draft_rows_see_prefix_and_listed_slots():
         rows = torch.cat([pre[r], extra[r]])
         vis = torch.cat([torch.ones(6, dtype=torch.bool), valid[r]])
         torch.testing.assert_close(out[r], dense(q[r], k[rows], v[rows], vis, 0.3))
+
+
+def _indexed(plan):
+    """The same plan read and written through its query indices, not as a view."""
+    plan.dense = False
+    return plan
+
+
+def test_dense_plans_read_queries_as_a_view_and_give_the_indexed_result_exactly():
+    """Decode, verify and draft-row plans lay their queries out as rows x queries in order; `attend` reads and writes
+    them as views. The result is the indexed path's, bit for bit, and decode is extend with one query each."""
+    gen = torch.Generator().manual_seed(5)
+    k, v, r2t = pool(gen)
+    rpi, seq = torch.tensor([2, 0, 1]), torch.tensor([9, 5, 13])
+    q = torch.randn(3, 4, 8, generator=gen)
+    plan = decode_plan(r2t, rpi, seq)
+    assert plan.dense
+    got = attend(plan, q, k, v, 0.3, torch.zeros_like(q))
+    assert torch.equal(got, attend(_indexed(decode_plan(r2t, rpi, seq)), q, k, v, 0.3, torch.zeros_like(q)))
+    assert torch.equal(got, attend(extend_plan(r2t, rpi, seq, torch.ones_like(seq)), q, k, v, 0.3, torch.zeros_like(q)))
+
+    n = 4
+    mask = build_buffers(Tree((-1, 0, 0, 1))).ancestor_mask.flatten().repeat(3)
+    q = torch.randn(3 * n, 4, 8, generator=gen)
+    got = attend(verify_plan(r2t, rpi, seq, n, mask), q, k, v, 0.5, torch.zeros_like(q))
+    assert torch.equal(got, attend(_indexed(verify_plan(r2t, rpi, seq, n, mask)), q, k, v, 0.5, torch.zeros_like(q)))
+
+    pre = r2t[[0, 1], :6].long()
+    extra, valid = torch.tensor([[10, 11], [20, 0]]), torch.tensor([[True, True], [True, False]])
+    q = torch.randn(2, 4, 8, generator=gen)
+    rows = rows_plan(pre, torch.ones_like(pre, dtype=torch.bool), extra, valid)
+    assert rows.dense and not extend_plan(r2t, rpi, seq, torch.tensor([2, 1, 3])).dense
+    got = attend(rows, q, k, v, 0.3, torch.zeros_like(q))
+    assert torch.equal(got, attend(_indexed(rows_plan(pre, torch.ones_like(pre, dtype=torch.bool), extra, valid)),
+                                   q, k, v, 0.3, torch.zeros_like(q)))

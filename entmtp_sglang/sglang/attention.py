@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from .gather import _Plan, _ragged_rows, attend, extend_plan, rows_plan, verify_plan
+from .gather import _Plan, _ragged_rows, attend, decode_plan, extend_plan, rows_plan, verify_plan
 from .sglang_api import AttentionBackend, KVWriteLoc
 
 NAME = "entmtp_torch"
@@ -54,8 +54,7 @@ class TorchTreeAttnBackend(AttentionBackend):
             self.plan = verify_plan(r2t, forward_batch.req_pool_indices, forward_batch.seq_lens,
                                     int(spec.draft_token_num), getattr(spec, "custom_mask", None))
         elif mode.is_decode():
-            seq = forward_batch.seq_lens.long()
-            self.plan = extend_plan(r2t, forward_batch.req_pool_indices, seq, torch.ones_like(seq))
+            self.plan = decode_plan(r2t, forward_batch.req_pool_indices, forward_batch.seq_lens)
         else:
             self.plan = extend_plan(r2t, forward_batch.req_pool_indices, forward_batch.seq_lens,
                                     forward_batch.extend_seq_lens)

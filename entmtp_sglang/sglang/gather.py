@@ -15,13 +15,17 @@ from ..kernels import tree_ancestor_mask
 class _Plan:
     """Per-forward gather plan: query rows x keys, shared by every layer of one forward."""
 
-    __slots__ = ("kv_idx", "mask", "q_idx", "q_valid")
+    __slots__ = ("kv_idx", "mask", "q_idx", "q_valid", "dense")
 
-    def __init__(self, kv_idx: torch.Tensor, mask: torch.Tensor, q_idx: torch.Tensor, q_valid: torch.Tensor):
+    def __init__(self, kv_idx: torch.Tensor, mask: torch.Tensor, q_idx: torch.Tensor, q_valid: torch.Tensor,
+                 dense: bool = False):
         self.kv_idx = kv_idx      # (R, L) int64 KV pool slots (padding: 0)
         self.mask = mask          # (R, Q, L) bool: query q of row r may attend key l
         self.q_idx = q_idx        # (R, Q) int64 index into the flat query tokens (padding: 0)
         self.q_valid = q_valid    # (R, Q) bool
+        # the flat queries are exactly the R x Q rows in order (q_idx == arange, none padded), known from how the
+        # plan was built (decode, verify, draft rows): read and written as a view, without index copies
+        self.dense = dense
 
 
 def _ragged_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor):
@@ -50,6 +54,14 @@ def extend_plan(req_to_token, req_pool_indices, seq_lens, extend_lens) -> _Plan:
     return _Plan(kv_idx, mask, q_idx, q_valid)
 
 
+def decode_plan(req_to_token, req_pool_indices, seq_lens) -> _Plan:
+    """Decode: one query per request, the request's new token, over its seq_lens[b] keys."""
+    seq_lens = seq_lens.long()
+    plan = extend_plan(req_to_token, req_pool_indices, seq_lens, torch.ones_like(seq_lens))
+    plan.dense = True
+    return plan
+
+
 def verify_plan(req_to_token, req_pool_indices, seq_lens, n: int, custom_mask: torch.Tensor | None) -> _Plan:
     """Tree verify: n draft queries per request; prefix visible; drafts by the QLEN_ONLY tree mask."""
     seq_lens = seq_lens.long()
@@ -68,7 +80,7 @@ def verify_plan(req_to_token, req_pool_indices, seq_lens, n: int, custom_mask: t
     draft_vis = torch.gather(tree, 2, rel.clamp(0, n - 1)[:, None, :].expand(bs, n, L))
     mask = torch.where(in_draft[:, None, :], draft_vis, (rel < 0)[:, None, :]) & kv_valid[:, None, :]
     q_idx = torch.arange(bs * n, device=dev).view(bs, n)
-    return _Plan(kv_idx, mask, q_idx, torch.ones(bs, n, dtype=torch.bool, device=dev))
+    return _Plan(kv_idx, mask, q_idx, torch.ones(bs, n, dtype=torch.bool, device=dev), dense=True)
 
 
 def rows_plan(prefix_idx: torch.Tensor, prefix_valid: torch.Tensor, extra_idx: torch.Tensor,
@@ -78,7 +90,8 @@ def rows_plan(prefix_idx: torch.Tensor, prefix_valid: torch.Tensor, extra_idx: t
     valid = torch.cat([prefix_valid, extra_valid], 1)
     R = kv_idx.shape[0]
     q_idx = torch.arange(R, device=kv_idx.device)[:, None]
-    return _Plan(kv_idx, valid[:, None, :], q_idx, torch.ones(R, 1, dtype=torch.bool, device=kv_idx.device))
+    return _Plan(kv_idx, valid[:, None, :], q_idx, torch.ones(R, 1, dtype=torch.bool, device=kv_idx.device),
+                 dense=True)
 
 
 def _rows(buf: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -91,7 +104,9 @@ def attend(plan: _Plan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
            out: torch.Tensor) -> torch.Tensor:
     """q (T, H, D) flat queries -> out (T, H, Dv), following the plan."""
     H = q.shape[1]
-    qq = _rows(q, plan.q_idx)                              # (R, Q, H, D)
+    R, Q = plan.q_idx.shape
+    dense = plan.dense and q.shape[0] == R * Q
+    qq = q.view(R, Q, *q.shape[1:]) if dense else _rows(q, plan.q_idx)    # (R, Q, H, D)
     kk = _rows(k_buf, plan.kv_idx)                         # (R, L, Hkv, D)
     vv = _rows(v_buf, plan.kv_idx)
     if kk.dtype != qq.dtype:
@@ -100,5 +115,8 @@ def attend(plan: _Plan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
                                      attn_mask=plan.mask[:, None], scale=scaling,
                                      enable_gqa=H != kk.shape[2])
     o = o.transpose(1, 2)                                  # (R, Q, H, Dv)
-    out[plan.q_idx[plan.q_valid]] = o[plan.q_valid].to(out.dtype)
+    if dense:
+        out.view(R, Q, *out.shape[1:]).copy_(o)
+    else:
+        out[plan.q_idx[plan.q_valid]] = o[plan.q_valid].to(out.dtype)
     return out
