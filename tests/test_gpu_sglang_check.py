@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from entmtp_sglang.bench.sglang_benchmark import measure
+from entmtp_sglang.bench.sglang_benchmark import generate_payload, measure
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "bench" / "gpu_sglang_check.sh"
@@ -88,15 +88,16 @@ class CannedServer:
 def test_measure_and_verdict_on_canned_responses():
     helper = load_helper()
     plain_ids = {"a": [1, 2, 3, 4], "b": [5, 6, 7, 8]}
-    reference: dict[int, list] = {}
+    reference: dict[tuple[str, int], list] = {}
     rows = []
+    payloads = [generate_payload(p, 4) for p in ("a", "b")]
     for b in (1, 2):
-        rows.append(measure(CannedServer(plain_ids), helper.PLAIN, ["a", "b"], b, 4, reference))
+        rows.append(measure(CannedServer(plain_ids), helper.PLAIN, payloads, b, reference))
         rows.append(measure(CannedServer({"a": [1, 2, 3, 4], "b": [5, 6, 7, 9]}, True), helper.EAGLE_STATIC,
-                            ["a", "b"], b, 4, reference))
+                            payloads, b, reference))
         rows.append(measure(CannedServer(plain_ids if b == 1 else {"a": [1, 2, 0, 0], "b": [5, 6, 7, 9]}, True),
-                            helper.ENTMTP, ["a", "b"], b, 4, reference))
-    assert reference == {1: [[1, 2, 3, 4], [5, 6, 7, 8]], 2: [[1, 2, 3, 4], [5, 6, 7, 8]]}
+                            helper.ENTMTP, payloads, b, reference))
+    assert reference == {("", 1): [[1, 2, 3, 4], [5, 6, 7, 8]], ("", 2): [[1, 2, 3, 4], [5, 6, 7, 8]]}
     by = {(r.system, r.batch): r for r in rows}
     assert [by[("entmtp", 1)].equal_to_plain, by[("eagle-s3-k1-n4", 1)].equal_to_plain] == [2, 1]
     assert by[("entmtp", 2)].equal_to_plain == 0 and by[("plain", 1)].equal_to_plain is None
