@@ -71,7 +71,7 @@ def test_admission_checks_prompts_and_custom_params():
 def test_penalised_requests_decode_plainly():
     from types import SimpleNamespace as NS
 
-    from entmtp_sglang.sglang.worker import needs_plain_decoding
+    from entmtp_sglang.sglang.worker import needs_plain_decoding, penalised
 
     def req(**sp):
         base = dict(frequency_penalty=0.0, presence_penalty=0.0, repetition_penalty=1.0, min_new_tokens=0)
@@ -83,6 +83,23 @@ def test_penalised_requests_decode_plainly():
     assert needs_plain_decoding([req(repetition_penalty=1.2)])
     assert needs_plain_decoding([req(min_new_tokens=3)])        # 2 tokens so far: still under the minimum
     assert not needs_plain_decoding([req(min_new_tokens=2)])
+    # a penalty lasts to the request's end, so its rested positions are never caught up; a minimum ends
+    assert penalised(req(frequency_penalty=0.5)) and penalised(req(repetition_penalty=0.9))
+    assert not penalised(req(min_new_tokens=3)) and not penalised(req()) and not penalised(NS())
+
+
+def test_max_rest_comes_from_the_environment_and_is_bounded(tmp_path, monkeypatch):
+    from entmtp_sglang.sglang.config import ENV_MAX_REST, MAX_REST_LIMIT, SGLANG_MAX_REST
+
+    monkeypatch.delenv(ENV_TREE_SET, raising=False)
+    monkeypatch.delenv(ENV_MAX_REST, raising=False)
+    assert EntMtpConfig.from_server_args(args(tmp_path)).max_rest == SGLANG_MAX_REST
+    monkeypatch.setenv(ENV_MAX_REST, "0")   # back off step by step, never resting the drafter
+    assert EntMtpConfig.from_server_args(args(tmp_path)).max_rest == 0
+    for bad in ("-1", str(MAX_REST_LIMIT + 1), "lots"):
+        monkeypatch.setenv(ENV_MAX_REST, bad)
+        with pytest.raises(ValueError, match=ENV_MAX_REST):
+            EntMtpConfig.from_server_args(args(tmp_path))
 
 
 def test_config_validates_and_reads_the_grammar_switch(tmp_path, monkeypatch):

@@ -488,6 +488,23 @@ def test_verify_greedy_random_matches_reference(topk, num_steps, n):
         assert total_accepted > 0  # the random cases exercise acceptance, not only rejection
 
 
+@pytest.mark.parametrize("num_spec_step", [1, 3])
+def test_verify_greedy_one_node_per_request_accepts_the_root_and_takes_the_bonus(num_spec_step):
+    # A step without drafts, laid out as EAGLEWorkerV2._build_trivial_verify_input lays it out: one node per
+    # request, retrieve_index b, no children, no siblings. (The fast path for n == 1 against the reference walk.)
+    gen = torch.Generator().manual_seed(5)
+    bs = 4
+    r_index = torch.arange(bs).unsqueeze(1)
+    none = torch.full((bs, 1), -1)
+    candidates = torch.randint(0, 50, (bs, 1), generator=gen)
+    target_predict = torch.randint(0, 50, (bs, 1), generator=gen)
+    out = run_verify(candidates, (r_index, none, none), target_predict, num_spec_step)
+    ref = ref_verify_greedy(candidates.tolist(), r_index.tolist(), none.tolist(), none.tolist(),
+                            target_predict.tolist(), num_spec_step)
+    assert (out[0].tolist(), out[1].tolist(), out[2].tolist()) == ref
+    assert out[0].tolist() == target_predict.flatten().tolist() and out[2].tolist() == [0] * bs
+
+
 def test_verify_tree_greedy_takes_sglang_keyword_names():
     # spec_tree.py:510-521 calls the op with these keywords (sgl-kernel's `retrive_*` spelling).
     names = list(inspect.signature(verify_tree_greedy_cpu).parameters)
@@ -567,6 +584,21 @@ def test_copy_all_layer_kv_cache_gathers_before_scattering(loc_dtype):
     for now, before in ((k, k0), (v, v0)):
         assert torch.equal(now[1], before[2]) and torch.equal(now[2], before[3])
         assert torch.equal(now[[0, 3, 4, 5]], before[[0, 3, 4, 5]])
+
+
+def test_copy_all_layer_kv_cache_leaves_rows_copied_onto_themselves_and_moves_the_rest():
+    torch.manual_seed(1)
+    k = torch.randn(8, 2, 3)
+    k0 = k.clone()
+    data_ptrs = torch.tensor([k.data_ptr()], dtype=torch.uint64)
+    strides = torch.tensor([k.stride(0) * k.element_size()])
+    copy_all_layer_kv_cache_cpu(data_ptrs, strides, torch.tensor([0, 3, 5]), torch.tensor([0, 3, 5]))
+    assert torch.equal(k, k0)                                   # all in place: nothing moves
+    tgt, src = torch.tensor([0, 1, 2, 6]), torch.tensor([0, 4, 2, 1])   # 0 and 2 in place, 1 read and written
+    copy_all_layer_kv_cache_cpu(data_ptrs, strides, tgt, src)
+    expect = k0.clone()
+    expect[tgt] = k0[src]
+    assert torch.equal(k, expect)
 
 
 def test_ops_accept_empty_batches():

@@ -13,6 +13,7 @@ import json
 import os
 import re
 import time
+from pathlib import Path
 
 import pytest
 from helpers.testing import import_sglang_or_skip, plain_and_entmtp, started
@@ -49,7 +50,7 @@ def servers(tmp_path_factory):
     # differently, which flips near-tied argmaxes (seen: 1 prompt in 25); that is numerics, not speculation.
     # compact JSON under schemas (no free whitespace), as the reference engine's compact mode
     f32 = ("--dtype", "float32", "--constrained-json-disable-any-whitespace")
-    plain, ent = plain_and_entmtp(logs, f32)
+    plain, ent = plain_and_entmtp(logs, f32, {"ENTMTP_PROFILE": str(logs / "steps.jsonl")})   # stages per step
     with started(plain, ent):
         yield plain, ent
 
@@ -172,8 +173,10 @@ def test_penalised_greedy_requests_equal_plain_decoding(servers, exact_plain, pe
     with exact penalties (`exact_plain`: the overlap scheduler's one-token penalty lag is SGLang's, not
     speculation's)."""
     _, ent = servers
+    steps = Path(ent.env["ENTMTP_PROFILE"])
     for p in prompts(1)[:4]:
         want = exact_plain.generate(p, MAX_NEW, **penalty)
+        seen = len(steps.read_text().splitlines()) if steps.exists() else 0
         got = ent.generate(p, MAX_NEW, **penalty)
         assert got["output_ids"] == want["output_ids"], (penalty, p[:60])
         trees = got["meta_info"]["entmtp_trees"]
@@ -181,6 +184,9 @@ def test_penalised_greedy_requests_equal_plain_decoding(servers, exact_plain, pe
             assert trees[:penalty["min_new_tokens"] - 1] == ["rest"] * (penalty["min_new_tokens"] - 1), trees
         else:
             assert trees and set(trees) == {"rest"}, trees
+            # a penalised request never drafts again: its 31 rested positions are never caught up
+            rows = [json.loads(x) for x in steps.read_text().splitlines()[seen:]]
+            assert len(rows) >= MAX_NEW - 1 and not any(r.get("catch_up", 0.0) for r in rows), rows
 
 
 def test_near_the_context_limit_entmtp_serves_what_eagle_serves(servers):

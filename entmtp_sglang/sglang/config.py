@@ -11,7 +11,8 @@ which) unless `ENTMTP_FORCE_TREE_SET=1`. `ENTMTP_ONLINE_CALIBRATION=1` refits a 
 (its own predictor and costs are the prior). `ENTMTP_RECORD=FILE` appends one JSON line per verified step
 (what `entmtp calibrate --engine sglang` reads). By default a calibrated set's step costs are refitted from
 the steps this server times (the set's costs are the prior; `ENTMTP_ONLINE_COSTS=0` keeps them).
-`ENTMTP_GRAMMAR_DRAFT=0`
+`ENTMTP_MAX_REST` caps how long the drafter rests after backing off to chain:0 (1, 2, 4, ... steps, default 16;
+0: never rest, run the drafter every step). `ENTMTP_GRAMMAR_DRAFT=0`
 turns off the grammar-masked entropy and drafts of constrained requests (on by default; needs the overlap
 scheduler off, as on CPU). `ENTMTP_POLICY` picks how trees are scored: `entmtp` (default: the set's per-node
 acceptance predictor when it carries one, else its signal bins), `entmtp-bins` or `entmtp-predictor`.
@@ -37,6 +38,7 @@ ENV_ONLINE = "ENTMTP_ONLINE_CALIBRATION"  # "1": refit a calibrated set's predic
 ENV_ONLINE_COSTS = "ENTMTP_ONLINE_COSTS"  # "0": keep a calibrated set's step costs (default: refit them as it serves)
 ENV_PROFILE = "ENTMTP_PROFILE"         # a file: seconds per stage of every decode step (profile.py)
 ENV_TREE_TRACE = "ENTMTP_TREE_TRACE"   # a directory: each rank appends its tree per decode step (debugging)
+ENV_MAX_REST = "ENTMTP_MAX_REST"       # the longest run of steps without the drafter after backing off
 PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
 
 
@@ -47,6 +49,11 @@ def pin_of(custom_params) -> str | None:
     return None if name is None else str(name)
 
 
+# Inside SGLang a rest ends in a catch-up pass (one draft extend over the rested positions, 4-9 ms at batch 1 on
+# this CPU, bench/sglang_step_profile.py), so rests run up to 16 steps, not the reference engine's 4: a run of
+# back-offs pays that pass once per 17 steps instead of once per 5
+SGLANG_MAX_REST = 16
+MAX_REST_LIMIT = 64   # a rest owes the drafter one position per step, caught up in one pass when it ends
 DEFAULT_DRAFTER = "eagle"
 SGLANG_SIGNALS = ("draft_entropy", "draft_margin")  # signals the worker computes from the draft logits
 DEFAULT_TASK = "mixed"
@@ -57,6 +64,14 @@ def _flag(name: str, default: str = "0") -> bool:
     if flag not in ("0", "1", "false", "true", "off", "on"):
         raise ValueError(f"{name} must be 0 or 1, got {flag!r}")
     return flag in ("1", "true", "on")
+
+
+def _int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    try:
+        return int(raw) if raw else default
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
 def resolve_tree_set_path(adaptive_config: str | None, model_name: str = "entmtp-tiny") -> Path | None:
@@ -93,6 +108,7 @@ class EntMtpConfig:
     online_costs: bool = True       # ENTMTP_ONLINE_COSTS: step costs timed in this server, the set's as prior
     generic_depth: int = 4          # the generic set's depth and width (zero-setup start)
     generic_topk: int = 2
+    max_rest: int = SGLANG_MAX_REST  # ENTMTP_MAX_REST: steps without the drafter after a back-off (1, 2, 4, ...)
 
     def __post_init__(self):
         if self.policy not in SERVER_POLICIES:
@@ -103,6 +119,8 @@ class EntMtpConfig:
             raise ValueError(f"max_nodes must be >= 1, got {self.max_nodes}")
         if self.log_interval_s <= 0:
             raise ValueError(f"log_interval_s must be positive, got {self.log_interval_s}")
+        if not 0 <= self.max_rest <= MAX_REST_LIMIT:
+            raise ValueError(f"{ENV_MAX_REST} must lie in 0..{MAX_REST_LIMIT}, got {self.max_rest}")
         if not 1 <= self.generic_depth <= 8 or not 1 <= self.generic_topk <= 8:
             raise ValueError(f"the generic tree set needs --speculative-num-steps in 1..8 and "
                              f"--speculative-eagle-topk in 1..8, got {self.generic_depth}, {self.generic_topk}")
@@ -118,7 +136,8 @@ class EntMtpConfig:
                    policy=os.environ.get(ENV_POLICY, "entmtp").strip().lower() or "entmtp",
                    force=_flag(ENV_FORCE), record_path=Path(record) if record else None, online=_flag(ENV_ONLINE),
                    online_costs=_flag(ENV_ONLINE_COSTS, "1"),
-                   generic_depth=int(steps) if steps else 4, generic_topk=int(topk) if topk else 2)
+                   generic_depth=int(steps) if steps else 4, generic_topk=int(topk) if topk else 2,
+                   max_rest=_int(ENV_MAX_REST, SGLANG_MAX_REST))
 
     @property
     def uncalibrated(self) -> bool:

@@ -288,6 +288,12 @@ def copy_all_layer_kv_cache_cpu(
     src = _as_long(src_loc.reshape(-1)).cpu()
     if min(int(tgt.min()), int(src.min())) < 0:
         raise IndexError("copy_all_layer_kv_cache_cpu: negative slot index")
+    # A row copied onto itself is already in place; every read happens before any write, so leaving such pairs
+    # out changes nothing else. (After a one-token verify, and along an accepted first-child chain, they are all.)
+    moved = tgt != src
+    if not bool(moved.any()):
+        return
+    tgt, src = tgt[moved], src[moved]
     num_rows = max(int(tgt.max()), int(src.max())) + 1
     for ptr, row_bytes in zip(data_ptrs.tolist(), strides.tolist()):
         raw = (ctypes.c_uint8 * (num_rows * row_bytes)).from_address(ptr)
@@ -482,9 +488,15 @@ def verify_tree_greedy_cpu(
     if bs == 0:
         return
     device = candidates.device
-    node = torch.arange(n, device=device)
     ridx = _as_long(retrive_index.reshape(bs, n))
     target = target_predict.reshape(-1)
+    if n == 1:   # one node per request (a step without drafts): the root is accepted and its prediction is the bonus
+        path = ridx[:, 0]
+        _flat(predicts)[path] = target[path].to(predicts.dtype)
+        accept_index[:, 0] = path.to(accept_index.dtype)
+        accept_token_num.zero_()
+        return
+    node = torch.arange(n, device=device)
     parents = _parents_from_links(_as_long(retrive_next_token.reshape(bs, n)),
                                   _as_long(retrive_next_sibling.reshape(bs, n)))
     target_at = target[ridx.clamp(0, target.numel() - 1)]  # (bs, n): the target's token after each node

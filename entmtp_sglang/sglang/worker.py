@@ -62,7 +62,8 @@ class _Rest(Exception):
     """This step decodes without speculation and without the drafter, by rule (not an error)."""
 
 
-MAX_PENDING = 16   # rested positions a request may owe the drafter before a catch-up runs regardless
+MAX_PENDING = 16   # rested positions a request may owe the drafter before a catch-up runs regardless (at least the
+                   # longest rest plus one: penalised batches rest to their end)
 COST_REFIT_EVERY = 32   # decode steps between refits of the step costs timed in this server
 
 
@@ -74,17 +75,23 @@ def needs_plain_decoding(reqs) -> bool:
     greedy request's output differs from the non-speculative server's. Decoded one token per step from its
     first decode step it is exact; SGLang verifies one tree per batch, so the whole batch decodes plainly."""
     for r in reqs:
+        if penalised(r):
+            return True
         sp = getattr(r, "sampling_params", None)
-        if sp is None:
-            continue
-        if (getattr(sp, "frequency_penalty", 0.0) or 0.0) != 0.0 or (getattr(sp, "presence_penalty", 0.0)
-                                                                    or 0.0) != 0.0:
-            return True
-        if (getattr(sp, "repetition_penalty", 1.0) or 1.0) != 1.0:
-            return True
-        if (getattr(sp, "min_new_tokens", 0) or 0) > len(getattr(r, "output_ids", ()) or ()):
+        if sp is not None and (getattr(sp, "min_new_tokens", 0) or 0) > len(getattr(r, "output_ids", ()) or ()):
             return True
     return False
+
+
+def penalised(req) -> bool:
+    """Whether the request carries a frequency, presence or repetition penalty: it decodes plainly to its end, so
+    its drafter is never needed again (min_new_tokens, by contrast, ends)."""
+    sp = getattr(req, "sampling_params", None)
+    if sp is None:
+        return False
+    return ((getattr(sp, "frequency_penalty", 0.0) or 0.0) != 0.0
+            or (getattr(sp, "presence_penalty", 0.0) or 0.0) != 0.0
+            or (getattr(sp, "repetition_penalty", 1.0) or 1.0) != 1.0)
 
 
 class EntMtpWorker(EAGLEWorkerV2):
@@ -100,7 +107,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.signal = self.tree_set.signal         # draft_entropy or draft_margin (config checks)
         self.controller = TreeController.for_tree_set(self.tree_set, self.config.policy != "entmtp-bins",
                                                       hysteresis=self.config.hysteresis,
-                                                      max_nodes=self.config.max_nodes)
+                                                      max_nodes=self.config.max_nodes, max_rest=self.config.max_rest)
         self.signals: dict[str, float] = {}        # rid -> latest draft signal value
         self.probs: dict[str, tuple] = {}          # rid -> latest depth-1 top-k draft probabilities
         self.histogram = collections.Counter()
@@ -149,6 +156,7 @@ class EntMtpWorker(EAGLEWorkerV2):
             self._target_forward = runner.forward
             runner.forward = self._target_forward_or_decode
         self._resting = False
+        self._max_pending = max(MAX_PENDING, self.config.max_rest + 1)
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rid -> [(token, hidden)]
         self.profiler = _profiler(self)
         self.shape_states: ShapeStates[SpecRuntimeState] | None = None   # built in init_cuda_graphs
@@ -269,7 +277,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         try:
             plain = needs_plain_decoding(reqs)   # penalties: one token per step keeps them exact
             owed = max((len(self._pending.get(r.rid, ())) for r in reqs), default=0)
-            if owed and owed < MAX_PENDING and (plain or self.controller.rests(["batch"])):
+            if owed and owed < self._max_pending and (plain or self.controller.rests(["batch"])):
                 raise _Rest
             if owed:
                 self._catch_up(batch)
@@ -338,11 +346,25 @@ class EntMtpWorker(EAGLEWorkerV2):
         if tokens is not None and hidden is not None and tokens.shape[0] == len(batch.reqs) == hidden.shape[0]:
             tokens, hidden = tokens.clone(), hidden.clone()   # a graph's output buffers are reused next step
             for i, r in enumerate(batch.reqs):
-                self._pending.setdefault(r.rid, []).append((tokens[i], hidden[i]))
+                if penalised(r):   # never drafts again: nothing to catch up
+                    self._pending.pop(r.rid, None)
+                else:
+                    self._pending.setdefault(r.rid, []).append((tokens[i], hidden[i]))
         else:   # an unexpected layout: nothing to catch up from, so the drafter starts cold (still lossless)
             for r in batch.reqs:
                 self._pending.pop(r.rid, None)
         self._stub_skipped_draft_extend(batch, batch_result)
+
+    def verify(self, batch, *args, **kwargs):
+        """SGLang's verify; on a resting step as a one-node chain (topk 1): the accepted path is the root, already
+        where SGLang's tree compaction would move it, so the KV, token and hidden-state compaction is skipped."""
+        if not self._resting:
+            return super().verify(batch, *args, **kwargs)
+        topk, self.topk = self.topk, 1
+        try:
+            return super().verify(batch, *args, **kwargs)
+        finally:
+            self.topk = topk
 
     def _target_forward_or_decode(self, forward_batch, *args, **kwargs):
         """On a resting step the target's one-token verify runs as the plain decode forward it is (SGLang's
