@@ -121,3 +121,22 @@ def test_dense_plans_read_queries_as_a_view_and_give_the_indexed_result_exactly(
     got = attend(rows, q, k, v, 0.3, torch.zeros_like(q))
     assert torch.equal(got, attend(_indexed(rows_plan(pre, torch.ones_like(pre, dtype=torch.bool), extra, valid)),
                                    q, k, v, 0.3, torch.zeros_like(q)))
+
+
+def test_decode_of_equal_lengths_runs_unmasked_and_matches_the_masked_plan():
+    """Nothing is padded when every request has the same length (batch 1 always): the decode plan carries no mask,
+    so SDPA takes its unmasked path, as SGLang's plain decoding does; the values are the masked plan's."""
+    gen = torch.Generator().manual_seed(6)
+    k, v, r2t = pool(gen)
+    for rpi, seq in ((torch.tensor([1]), torch.tensor([11])), (torch.tensor([2, 0, 1]), torch.tensor([7, 7, 7]))):
+        q = torch.randn(len(rpi), 4, 8, generator=gen)
+        plan = decode_plan(r2t, rpi, seq)
+        assert plan.mask is None and plan.dense
+        got = attend(plan, q, k, v, 0.3, torch.zeros_like(q))
+        torch.testing.assert_close(got, attend(extend_plan(r2t, rpi, seq, torch.ones_like(seq)), q, k, v, 0.3,
+                                               torch.zeros_like(q)))
+        for b in range(len(rpi)):
+            rows = r2t[int(rpi[b]), : int(seq[b])].long()
+            torch.testing.assert_close(got[b], dense(q[b], k[rows], v[rows], torch.ones(int(seq[b]), dtype=torch.bool),
+                                                     0.3))
+    assert decode_plan(r2t, torch.tensor([0, 1]), torch.tensor([5, 6])).mask is not None

@@ -17,10 +17,10 @@ class _Plan:
 
     __slots__ = ("kv_idx", "mask", "q_idx", "q_valid", "dense")
 
-    def __init__(self, kv_idx: torch.Tensor, mask: torch.Tensor, q_idx: torch.Tensor, q_valid: torch.Tensor,
+    def __init__(self, kv_idx: torch.Tensor, mask: torch.Tensor | None, q_idx: torch.Tensor, q_valid: torch.Tensor,
                  dense: bool = False):
         self.kv_idx = kv_idx      # (R, L) int64 KV pool slots (padding: 0)
-        self.mask = mask          # (R, Q, L) bool: query q of row r may attend key l
+        self.mask = mask          # (R, Q, L) bool: query q of row r may attend key l; None: every query every key
         self.q_idx = q_idx        # (R, Q) int64 index into the flat query tokens (padding: 0)
         self.q_valid = q_valid    # (R, Q) bool
         # the flat queries are exactly the R x Q rows in order (q_idx == arange, none padded), known from how the
@@ -59,6 +59,8 @@ def decode_plan(req_to_token, req_pool_indices, seq_lens) -> _Plan:
     seq_lens = seq_lens.long()
     plan = extend_plan(req_to_token, req_pool_indices, seq_lens, torch.ones_like(seq_lens))
     plan.dense = True
+    if seq_lens.numel() and bool((seq_lens == seq_lens[0]).all()):
+        plan.mask = None   # equal lengths (batch 1 always): nothing padded, so SDPA runs unmasked, as plain decoding's
     return plan
 
 
@@ -112,7 +114,7 @@ def attend(plan: _Plan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
     if kk.dtype != qq.dtype:
         kk, vv = kk.to(qq.dtype), vv.to(qq.dtype)
     o = scaled_dot_product_attention(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
-                                     attn_mask=plan.mask[:, None], scale=scaling,
+                                     attn_mask=None if plan.mask is None else plan.mask[:, None], scale=scaling,
                                      enable_gqa=H != kk.shape[2])
     o = o.transpose(1, 2)                                  # (R, Q, H, Dv)
     if dense:
