@@ -48,8 +48,17 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4,16")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--trees", default="", help="comma-separated trees of the served set to time (chain:0 is the "
+                    "resting step); default: every tree of the set")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
+    ap.add_argument("--render", type=Path, metavar="JSONL", help="draw the tables again from a run's JSON lines "
+                    "(written beside it, the same name ending .md) and exit")
     args = ap.parse_args()
+    if args.render is not None:
+        lines = render(args.render)
+        args.render.with_suffix(".md").write_text("\n".join(lines) + "\n")
+        print("\n".join(lines))
+        return
     model = resolve_alias(args.model)
     ts = load_tree_set(resolve_tree_set_path(None, model.name))
     logs = ROOT / "runs" / "sglang-step-profile"
@@ -62,7 +71,12 @@ def main() -> None:
                            env={"ENTMTP_PROFILE": str(prof), "ENTMTP_ONLINE_COSTS": "0"})
     prompts = [it["prompt"][-600:] for task in ("code", "chat", "prose", "json", "math")
                for it in load_prompts(task, "test", 4)]
-    pins = ["plain"] + [t.tree.name for t in ts.trees]
+    names = [t.tree.name for t in ts.trees]
+    wanted = [x.strip() for x in args.trees.split(",") if x.strip()] or names
+    unknown = [x for x in wanted if x not in names]
+    if unknown:
+        ap.error(f"--trees: {', '.join(unknown)} not in the served set ({', '.join(names)})")
+    pins = ["plain"] + wanted
     nodes = {t.tree.name: (t.tree.num_nodes, t.tree.max_depth) for t in ts.trees}
     ms: dict[tuple[str, int], list[float]] = collections.defaultdict(list)
     decode: dict[tuple[str, int], list[float]] = collections.defaultdict(list)   # prefill taken out
@@ -94,7 +108,8 @@ def main() -> None:
     for line in prof.read_text().splitlines():
         r = json.loads(line)
         profile[(r["tree"], r["bs"])].append(r)
-    stages = {key: {s: round(1000 * statistics.median(r.get(s, 0.0) for r in rs), 2) for s in STAGES}
+    stages = {key: {**{s: round(1000 * statistics.median(r.get(s, 0.0) for r in rs), 2) for s in STAGES},
+                    "total_mean": round(1000 * statistics.fmean(r.get("total", 0.0) for r in rs), 2)}
               for key, rs in profile.items() if len(rs) >= 3}
     write(rows, stages, args, model, time.time() - t0)
 
@@ -109,15 +124,22 @@ def fixed_part(rows: list[dict], b: int, key: str = "step_ms") -> float | None:
     return float(torch.linalg.lstsq(x, y).solution[0, 0])
 
 
-def write(rows, stages, args, model, seconds) -> None:
-    lines = ["| batch | step | nodes | depth | ms per step, prefill shared (median) | vs plain step | "
-             "ms per decode step alone (median) | vs plain step |", "|---|---|---|---|---|---|---|---|"]
+def paired(row: dict, plain: dict, key: str) -> float:
+    """Median over repeats of this step's time over the plain step's of the same repeat (measured minutes apart, not
+    hours: robust to the machine's drift between repeats)."""
+    return statistics.median(x / max(p, 1e-9) for x, p in zip(row[key], plain[key]))
+
+
+def table(rows, stages) -> list[str]:
+    lines = ["| batch | step | nodes | depth | ms per step, prefill shared (median) | vs plain step (paired) | "
+             "ms per decode step alone (median) | vs plain step (paired) |", "|---|---|---|---|---|---|---|---|"]
     for b in sorted({r["batch"] for r in rows}):
         plain = next(r for r in rows if r["batch"] == b and r["tree"] == "plain")
         for r in sorted((r for r in rows if r["batch"] == b), key=lambda r: (r["tree"] != "plain", r["nodes"])):
             lines.append(f"| {b} | {r['tree']} | {r['nodes']} | {r['depth']} | {r['step_ms']:.1f} | "
-                         f"{r['step_ms'] / plain['step_ms']:.2f}x | {r['decode_ms']:.1f} | "
-                         f"{r['decode_ms'] / max(plain['decode_ms'], 1e-9):.2f}x |")
+                         f"{r['step_ms'] / plain['step_ms']:.2f}x ({paired(r, plain, 'repeats_ms'):.2f}x) | "
+                         f"{r['decode_ms']:.1f} | {r['decode_ms'] / max(plain['decode_ms'], 1e-9):.2f}x "
+                         f"({paired(r, plain, 'decode_repeats_ms'):.2f}x) |")
         fixed, alone = fixed_part(rows, b), fixed_part(rows, b, "decode_ms")
         if fixed is not None and alone is not None:
             lines.append(f"| {b} | speculative step, fixed part (fit at 0 drafted nodes, depth 0) | | | {fixed:.1f} | "
@@ -125,9 +147,28 @@ def write(rows, stages, args, model, seconds) -> None:
                          f"{alone / max(plain['decode_ms'], 1e-9):.2f}x |")
     lines += ["", "Inside the ENTMTP worker, median ms per stage (ENTMTP_PROFILE; `catch_up` is inside `choose`, "
               "`draft_forward` inside `draft`/`draft_extend`/`catch_up`, `target_forward` inside `verify`):", "",
-              "| step | batch | " + " | ".join(STAGES) + " |", "|---|---|" + "---|" * len(STAGES)]
+              "| step | batch | " + " | ".join(STAGES) + " | total (mean: periodic work too, as a rest's catch-up) |",
+              "|---|---|" + "---|" * (len(STAGES) + 1)]
     for (tree, b), st in sorted(stages.items(), key=lambda kv: (kv[0][1], kv[0][0])):
-        lines.append(f"| {tree} | {b} | " + " | ".join(f"{st[s]:.1f}" for s in STAGES) + " |")
+        lines.append(f"| {tree} | {b} | " + " | ".join(f"{st.get(s, 0.0):.1f}" for s in STAGES)
+                     + f" | {st.get('total_mean', float('nan')):.1f} |")
+    return lines
+
+
+def render(path: Path) -> list[str]:
+    """The tables again from a run's JSON lines (`--render`)."""
+    rows, stages = [], {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        if "stages_of" in r:
+            stages[(r["stages_of"], r["batch"])] = r
+        else:
+            rows.append(r)
+    return table(rows, stages)
+
+
+def write(rows, stages, args, model, seconds) -> None:
+    lines = table(rows, stages)
     args.out.mkdir(parents=True, exist_ok=True)
     meta = {"model": model.name, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
             "duration_s": round(seconds), **machine()}

@@ -190,3 +190,22 @@ def test_the_mixed_stream_pairs_with_plain_run_beside_it_in_waves():
     assert paired_ratio(mixed["eagle-s1-k1-n2"], mixed["plain"]) == 1.0
     text = speed.tables(rows + list(mixed.values()))
     assert "| mixed | 1 | 1.33x (eagle-s1-k1-n2) |  |" in text, text
+
+
+def test_step_profile_pairs_each_step_with_the_plain_step_of_its_repeat_and_renders_again(tmp_path):
+    import json
+
+    prof = load_script("sglang_step_profile")
+    plain = {"tree": "plain", "batch": 1, "nodes": 1, "depth": 0, "step_ms": 60.0, "repeats_ms": [50.0, 60.0, 90.0],
+             "decode_ms": 55.0, "decode_repeats_ms": [45.0, 55.0, 85.0]}
+    rest = {"tree": "rest (chain:0)", "batch": 1, "nodes": 1, "depth": 0, "step_ms": 60.0,
+            "repeats_ms": [51.0, 60.0, 60.0], "decode_ms": 55.0, "decode_repeats_ms": [45.9, 56.1, 60.0]}
+    # the ratio of medians is 1.00x; within each repeat rest costs 1.02x, 1.00x and 0.67x: paired median 1.00x
+    assert prof.paired(rest, plain, "repeats_ms") == pytest.approx(1.0)
+    assert prof.paired(rest, plain, "decode_repeats_ms") == pytest.approx(56.1 / 55.0)
+    path = tmp_path / "run.jsonl"
+    stages = {"stages_of": "rest", "batch": 1, **{s: 1.0 for s in prof.STAGES}, "total_mean": 2.0}
+    path.write_text("\n".join(json.dumps(r) for r in (plain, rest, stages)) + "\n")
+    lines = prof.render(path)
+    assert "| 1 | rest (chain:0) | 1 | 0 | 60.0 | 1.00x (1.00x) | 55.0 | 1.00x (1.02x) |" in lines
+    assert "| rest | 1 | " + " | ".join("1.0" for _ in prof.STAGES) + " | 2.0 |" in lines
