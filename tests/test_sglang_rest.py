@@ -49,7 +49,8 @@ def prompts() -> list[str]:
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("rest")
-    plain, ent = plain_and_entmtp(tmp, F32, {"ENTMTP_TREE_SET": str(alternating_set(tmp / "alternating.json"))})
+    plain, ent = plain_and_entmtp(tmp, F32, {"ENTMTP_TREE_SET": str(alternating_set(tmp / "alternating.json")),
+                                             "ENTMTP_PROFILE": str(tmp / "steps.jsonl")})   # stages per step
     with started(plain, ent):
         yield plain, ent
 
@@ -126,6 +127,21 @@ def test_a_pinned_tree_is_served_without_rests(servers, reference):
             "temperature": 0, "max_new_tokens": MAX_NEW, "custom_params": {"entmtp_tree": DEEP}}})
         assert out["output_ids"] == want
         assert set(out["meta_info"]["entmtp_trees"]) == {DEEP}
+
+
+def test_a_request_pinning_chain0_rests_to_its_end_without_catch_ups(servers, reference):
+    """chain:0 pinned: every step rests, and since the request never drafts, its rested positions are never
+    caught up (without the pin a rest of 16 steps or more ends in a catch-up pass; MAX_NEW is past that)."""
+    _, ent = servers
+    steps = Path(ent.env["ENTMTP_PROFILE"])
+    for p, want in list(reference.items())[:2]:
+        seen = len(steps.read_text().splitlines()) if steps.exists() else 0
+        out = ent.post("/generate", {"text": p, "sampling_params": {
+            "temperature": 0, "max_new_tokens": MAX_NEW, "custom_params": {"entmtp_tree": "chain:0"}}})
+        assert out["output_ids"] == want
+        assert set(out["meta_info"]["entmtp_trees"]) <= {"rest", "chain:0"}, out["meta_info"]["entmtp_trees"]
+        rows = [json.loads(x) for x in steps.read_text().splitlines()[seen:]]
+        assert len(rows) >= MAX_NEW - 1 and not any(r.get("catch_up", 0.0) for r in rows), rows
 
 
 def _longest_rest(trees: list[str]) -> int:

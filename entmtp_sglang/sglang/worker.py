@@ -346,7 +346,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         if tokens is not None and hidden is not None and tokens.shape[0] == len(batch.reqs) == hidden.shape[0]:
             tokens, hidden = tokens.clone(), hidden.clone()   # a graph's output buffers are reused next step
             for i, r in enumerate(batch.reqs):
-                if penalised(r):   # never drafts again: nothing to catch up
+                if self._never_drafts(r):   # nothing to catch up
                     self._pending.pop(r.rid, None)
                 else:
                     self._pending.setdefault(r.rid, []).append((tokens[i], hidden[i]))
@@ -470,6 +470,16 @@ class EntMtpWorker(EAGLEWorkerV2):
                                ", ".join(self._index_by_name))
             return None
         return name
+
+    def _never_drafts(self, req) -> bool:
+        """A request that asks for no drafts for the rest of its life: a penalised one (it decodes plainly to its
+        end) or one pinning a tree without drafts (chain:0). Its rested positions are not kept, so it never pays a
+        catch-up pass. Should a batch it shares draft anyway (pins decide only when the whole batch agrees), its
+        row drafts from a cold draft cache: fewer drafts accepted on that row, the same output."""
+        if penalised(req):
+            return True
+        name = self._pin(req)
+        return name is not None and self.plans[self._index_by_name[name]].num_steps == 0
 
     def _grammar_signals(self, batch, reqs) -> None:
         """Constrained requests: grammar-masked signal of the stored root logits, now that the grammar has
