@@ -18,7 +18,7 @@ from entmtp_sglang.sglang.config import (
     pin_of,
     resolve_tree_set_path,
 )
-from entmtp_sglang.tree.treeset import TreeSetError, shipped_tree_set
+from entmtp_sglang.tree.treeset import TreeSetError, load_tree_set, shipped_tree_set
 
 
 def args(tmp_path, adaptive=None):
@@ -38,6 +38,25 @@ def test_tree_set_resolution_order(tmp_path, monkeypatch):
     assert resolve_tree_set_path(str(sglang_cfg)) == default
     monkeypatch.setenv(ENV_TREE_SET, str(tmp_path / "env.json"))
     assert resolve_tree_set_path(str(other)) == tmp_path / "env.json"
+
+
+def test_a_set_calibrated_through_sglang_is_served_before_the_reference_engines(monkeypatch):
+    """SmolLM2 ships both; the SGLang one (its trees and step costs timed in SGLang) is what ENTMTP serves. The
+    bundled model ships only the reference engine's, which stays its default."""
+    monkeypatch.delenv(ENV_TREE_SET, raising=False)
+    smol = "smollm2-135m-instruct"
+    sglang_set = shipped_tree_set("eagle", "mixed", smol, engine="sglang")
+    assert sglang_set.name == f"{smol}-eagle-mixed-sglang.json" and sglang_set.exists()
+    assert shipped_tree_set("eagle", "mixed", smol).exists()
+    assert resolve_tree_set_path(None, smol) == sglang_set
+    ts = load_tree_set(sglang_set, model=smol)
+    assert "SGLang" in ts.hardware and ts.provenance["step_cost_source"]
+    assert any(e.tree.parents == (-1,) for e in ts.trees)
+    assert not shipped_tree_set("eagle", "mixed", engine="sglang").exists()
+    assert resolve_tree_set_path(None) == shipped_tree_set("eagle", "mixed")
+    assert resolve_tree_set_path(None, "no-such-model") is None
+    with pytest.raises(ValueError, match="engine must be one of"):
+        shipped_tree_set("eagle", "mixed", smol, engine="vllm")
 
 
 def test_a_missing_or_broken_adaptive_config_is_an_error_not_a_fallback(tmp_path, monkeypatch):

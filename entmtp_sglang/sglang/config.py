@@ -2,8 +2,10 @@
 
 The tree set comes from, in order: the `ENTMTP_TREE_SET` environment variable, SGLang's
 `--speculative-adaptive-config FILE` when FILE is an EntMTP tree set (JSON with
-`"format": "entmtp-tree-set"`), or the shipped EAGLE set for the served model's directory name
-(`entmtp_sglang/trees/<name>-eagle-mixed.json`: entmtp-tiny, smollm2-135m-instruct). With none of these,
+`"format": "entmtp-tree-set"`), or the shipped EAGLE set for the served model's directory name: the one
+calibrated through SGLang where there is one (`entmtp_sglang/trees/<name>-eagle-mixed-sglang.json`:
+smollm2-135m-instruct; its trees and step costs are SGLang's), else the reference engine's
+(`<name>-eagle-mixed.json`: entmtp-tiny). With none of these,
 ENTMTP starts uncalibrated: a generic set (`tree/generic.py`, sized by `--speculative-num-steps` and
 `--speculative-eagle-topk` when given) whose acceptance predictor and step costs are refitted online from
 verified steps (`calibrate/online.py`). A set calibrated for another model is refused (the message says
@@ -89,8 +91,11 @@ def resolve_tree_set_path(adaptive_config: str | None, model_name: str = "entmtp
             raise TreeSetError(f"--speculative-adaptive-config {p}: not valid JSON ({e})") from None
         if isinstance(data, dict) and data.get("format") == FORMAT:
             return p   # a JSON file that is not a tree set is SGLang's own adaptive config: the shipped set
-    shipped = shipped_tree_set(DEFAULT_DRAFTER, DEFAULT_TASK, model_name)
-    return shipped if shipped.exists() else None
+    for engine in ("sglang", "reference"):   # a set calibrated through SGLang prices SGLang's own steps
+        shipped = shipped_tree_set(DEFAULT_DRAFTER, DEFAULT_TASK, model_name, engine=engine)
+        if shipped.exists():
+            return shipped
+    return None
 
 
 @dataclass(frozen=True)

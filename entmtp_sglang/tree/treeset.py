@@ -231,9 +231,17 @@ def load_tree_set(path: str | Path, model: str | None = None, drafter: str | Non
     return ts
 
 
-def shipped_tree_set(drafter: str, task: str, model: str = "entmtp-tiny") -> Path:
+ENGINES = ("reference", "sglang")
+
+
+def shipped_tree_set(drafter: str, task: str, model: str = "entmtp-tiny", engine: str = "reference") -> Path:
     """Path of the tree set shipped in the package for (model, drafter, task); `model` is the model
-    directory's name (entmtp-tiny, smollm2-135m-instruct)."""
+    directory's name (entmtp-tiny, smollm2-135m-instruct). `engine="sglang"`: the set calibrated through SGLang
+    (`entmtp calibrate --engine sglang`; `...-sglang.json`), whose trees and step costs are SGLang's; the path
+    may not exist (not every model has one)."""
     from importlib import resources
 
-    return Path(str(resources.files("entmtp_sglang.trees") / f"{model}-{drafter}-{task}.json"))
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    suffix = "" if engine == "reference" else f"-{engine}"
+    return Path(str(resources.files("entmtp_sglang.trees") / f"{model}-{drafter}-{task}{suffix}.json"))
