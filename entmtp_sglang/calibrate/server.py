@@ -35,13 +35,23 @@ class ServerError(RuntimeError):
     pass
 
 
+_ISSUED: set[int] = set()   # ports free_port() handed out in this process
+
+
 def free_port() -> int:
-    """A TCP port nobody listens on now (tests and benchmarks may run side by side)."""
+    """A TCP port nobody listens on now and not handed out before by this process (servers started together
+    each get their own). Another process may still take it before the server binds it: `wait_ready` then
+    restarts the server on a new port."""
     import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    for _ in range(64):
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        if port not in _ISSUED:
+            _ISSUED.add(port)
+            return port
+    raise ServerError("no free TCP port found in 64 tries")
 
 
 def cpu_args(speculative: str | None, *, model: Path = BUNDLED_MODEL, steps: int = 3, topk: int = 1,
@@ -115,9 +125,23 @@ class SGLangServer:
             self.wait_ready()
         return self
 
-    def wait_ready(self) -> None:
+    def _port_taken(self) -> bool:
+        """SGLang's HTTP server could not bind its port (taken between free_port() and the bind); SGLang does not
+        exit then, it waits forever."""
+        return f"('127.0.0.1', {self.port}): address already in use" in self.log_text()
+
+    def wait_ready(self, restarts: int = 3) -> None:
         deadline = time.monotonic() + self.timeout_s
         while time.monotonic() < deadline:
+            if restarts > 0 and self._port_taken():
+                taken = self.port
+                self.stop()
+                self.port, restarts = free_port(), restarts - 1
+                print(f"SGLang could not bind port {taken} (another process took it); restarting on {self.port}",
+                      file=sys.stderr, flush=True)
+                self.start(wait=False)
+                deadline = time.monotonic() + self.timeout_s
+                continue
             if self.proc.poll() is not None:
                 raise ServerError(f"SGLang exited with code {self.proc.returncode} during start-up:\n"
                                   f"{self.log_tail()}")
