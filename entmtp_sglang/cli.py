@@ -490,6 +490,44 @@ def _model(args) -> int:
     return 0
 
 
+def _add_kernels(sub) -> None:
+    p = sub.add_parser(
+        "kernels", help="build the CPU few-row linear kernel and show the linear path this machine takes",
+        description="Build (once, into $ENTMTP_CACHE/kernels) the batch-invariant few-row linear kernel with this "
+                    "machine's C++ compiler, then measure the batch-invariant linear paths (the kernel, oneDNN on a "
+                    "packed weight, F.linear where it is invariant) and print the one this machine takes, with the "
+                    "probe's timings. `make install` runs it; the reference engine and every SGLang process with "
+                    "the plugin read the cached choice. ENTMTP_LINEAR=fewrow|onednn|torch forces a path.")
+    p.add_argument("--remeasure", action="store_true", help="forget this machine's cached choice and measure again")
+
+
+def _kernels(args) -> int:
+    import json
+
+    from .kernels import fewrow_linear as fewrow
+    from .model import linear
+
+    if args.remeasure:
+        try:
+            known = json.loads(linear._cache_file().read_text())
+            known.pop(linear._machine_key(), None)
+            linear._cache_file().write_text(json.dumps(known, indent=1))
+        except (OSError, ValueError):
+            pass
+    if fewrow.available():
+        print(f"few-row kernel: built for {fewrow.isa()} in {fewrow.build_dir()}", file=sys.stderr)
+    else:
+        print(f"few-row kernel: unavailable ({fewrow.unavailable_reason()}); the linear layers take another "
+              "path", file=sys.stderr)
+    d = linear.describe()
+    for path, ok in (d["invariant"] or {}).items():
+        ms = (d["probe_ms"] or {}).get(path)
+        times = " / ".join(f"{v:.2f}" for v in ms.values()) + " ms at " + "/".join(ms) + " rows" if ms else ""
+        print(f"  {path:7s} {'batch-invariant' if ok else 'not batch-invariant'}  {times}", file=sys.stderr)
+    print(d["path"] + (" (forced by the environment)" if d["forced"] else ""))
+    return 0
+
+
 def _add_bench(sub) -> None:
     from .bench.cli import add_parser
 
@@ -504,9 +542,12 @@ def main(argv: list[str] | None = None) -> int:
     _add_calibrate(sub)
     _add_bench(sub)
     _add_model(sub)
+    _add_kernels(sub)
     args = parser.parse_args(argv)
     if args.command == "model":
         return _model(args)
+    if args.command == "kernels":
+        return _kernels(args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "calibrate":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import zipfile
@@ -103,6 +104,7 @@ def test_wheel_carries_kernels_trees_model_and_shadows_nothing(tmp_path):
     assert tops <= {"entmtp_sglang", f"{wheel.name.split('-')[0]}-{wheel.name.split('-')[1]}.dist-info"}
     assert "kernels" not in tops and "trees" not in tops
     assert "entmtp_sglang/kernels/__init__.py" in names
+    assert "entmtp_sglang/kernels/fewrow_linear.cpp" in names  # built on the machine that installs it
     assert any(n.startswith("entmtp_sglang/trees/") and n.endswith(".json") for n in names)
     assert "entmtp_sglang/models/entmtp-tiny/model.safetensors" in names
     assert "entmtp_sglang/models/entmtp-tiny/eagle/model.safetensors" in names
@@ -146,3 +148,28 @@ def test_every_committed_result_is_in_the_results_index():
     files = [Path(f).relative_to("bench/results").as_posix() for f in out.stdout.split()]
     missing = [f for f in files if f != "README.md" and f not in index]
     assert not missing, f"not in bench/results/README.md: {missing}"
+
+
+def test_kernels_builds_and_names_the_path_this_machine_takes(tmp_path):
+    env = {**os.environ, "ENTMTP_CACHE": str(tmp_path)}
+    env.pop("ENTMTP_LINEAR", None)
+    env.pop("ENTMTP_ONEDNN", None)
+    out = subprocess.run([sys.executable, "-m", "entmtp_sglang.cli", "kernels"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("fewrow", "onednn", "torch")
+    assert "few-row kernel: built for" in out.stderr and "batch-invariant" in out.stderr
+    assert (tmp_path / "linear_path.json").exists() and list((tmp_path / "kernels").glob("fewrow-*"))
+
+
+def test_without_a_compiler_the_kernel_falls_back_with_one_clear_line(tmp_path):
+    env = {**os.environ, "ENTMTP_CACHE": str(tmp_path), "CXX": "/bin/false"}
+    env.pop("ENTMTP_LINEAR", None)
+    env.pop("ENTMTP_ONEDNN", None)
+    out = subprocess.run([sys.executable, "-m", "entmtp_sglang.cli", "kernels"], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() in ("onednn", "torch")
+    warnings = [line for line in out.stderr.splitlines() if "could not be built" in line]
+    assert len(warnings) == 1, out.stderr
+    assert "unavailable" in out.stderr

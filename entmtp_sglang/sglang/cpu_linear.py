@@ -1,12 +1,15 @@
-"""SGLang's float32 linear layers and output layer on CPU through oneDNN on a packed weight (`model/linear.py`).
+"""SGLang's float32 linear layers and output layer on the CPU through the path `model/linear.py` picks for this
+machine (the few-row kernel, or oneDNN on a packed weight).
 
 SGLang 0.5.23 on a CPU without AMX runs every projection as `F.linear` and the output layer as `torch.matmul`.
-On this project's CPU those cost about twice as much for 2 rows as for 1 (the 49k-token output layer four
-times as much for 4 rows), so a verify pass over a small tree paid for each node in every layer, and a
-speculative step could not beat a plain one. oneDNN's packed path costs about the same for 1-6 rows and less
-for one row too (`bench/linear_head.py`). Installed by the plugin in every SGLang process on the CPU engine,
-plain servers included, so that ENTMTP and plain SGLang are compared on the same layers; results differ from
-SGLang's own by float rounding only. `ENTMTP_ONEDNN=0` turns it off (SGLang's own layers everywhere).
+Those cost about twice as much for 4 rows as for 1 (the 49k-token output layer three times as much for 8 rows),
+so a verify pass over a small tree paid for each node in every layer; and they are not batch-invariant (MKL
+rounds one row differently from several), so a verified tree's root could differ from plain decoding's at a
+near-tie. The chosen path reads each weight once for all rows and computes each row the same way whatever the
+rows beside it (`bench/linear_head.py` measures it per shape). Installed by the plugin in every SGLang process on
+the CPU engine, plain servers included: a plain server with the package is as fast as stock SGLang or faster, and
+ENTMTP is checked against it on the same layers. Results differ from SGLang's own by float rounding only.
+Where the machine's choice is `F.linear` itself (`ENTMTP_LINEAR=torch`, or `ENTMTP_ONEDNN=0`), nothing is hooked.
 
 Only where SGLang would itself call `F.linear` / `torch.matmul` on float32 CPU tensors: quantized, AMX, LoRA
 and GPU layers keep SGLang's path.
@@ -57,12 +60,12 @@ def lm_head(original, self, hidden_states, lm_head, embedding_bias=None, **kwarg
 
 
 def register_hooks(check_signature) -> None:
-    """Install both hooks (CPU engine only; `ENTMTP_ONEDNN=0` leaves SGLang's layers alone)."""
+    """Install both hooks (CPU engine only; where the machine's path is `F.linear` itself, SGLang's layers stay)."""
     import os
 
     from ..model import linear as packed
 
-    if not packed.ONEDNN or not packed._HAS_ONEDNN or os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1":
+    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1" or packed.choose_path() == "torch":
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
