@@ -1,8 +1,9 @@
 """EntMTP kernels: one public function per op, each with ``backend="auto" | "torch" | "triton"``
 (tree attention: ``"auto" | "torch" | "flashinfer"``).
 
-``fewrow_linear`` (float32 CPU linear layers for a few rows, batch-invariant) takes ``"auto" | "cpu" | "torch"``:
-a C++ kernel built with the machine's compiler on first use, beside its float64 torch reference.
+The few-row linear layer (float32 on the CPU, batch-invariant) lives in its own module,
+``entmtp_sglang.kernels.fewrow_linear`` (``fewrow_linear(..., backend="auto" | "cpu" | "torch")``): a C++ kernel
+built with the machine's compiler on first use, beside its float64 torch reference.
 
 "auto" runs the Triton kernel (FlashInfer for tree attention) for CUDA inputs when it imports, else the
 pure-torch reference. Triton and FlashInfer are imported lazily, only when one of their kernels runs, so
@@ -13,7 +14,6 @@ also runs on CPU tensors, through Triton's interpreter.
 
 from ._backend import Backend, flashinfer_available, triton_available
 from .entropy import softmax_entropy, softmax_entropy_torch
-from .fewrow_linear import fewrow_linear, fewrow_linear_torch
 from .tree_attention import (
     AttentionBackend,
     pack_tree_mask_torch,
@@ -28,8 +28,6 @@ from .verify_greedy import verify_tree_greedy, verify_tree_greedy_torch
 __all__ = [
     "AttentionBackend",
     "Backend",
-    "fewrow_linear",
-    "fewrow_linear_torch",
     "flashinfer_available",
     "pack_tree_mask_torch",
     "segment_packbits_torch",
