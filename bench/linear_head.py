@@ -1,25 +1,36 @@
-"""How fast are the linear layers? `F.linear` against `model.linear.linear` (oneDNN on a packed weight, CPU), for
-each of SmolLM2's layer shapes (the decoder's projections and the 49k-token output layer) at 1-16 rows, and
-what that does to whole decoding steps: plain decoding and chains of 1-4 drafts with its EAGLE drafter.
+"""How fast are the CPU linear paths? `F.linear`, oneDNN on a packed weight (padded to 6 rows) and the few-row
+kernel (`kernels/fewrow_linear.cpp`), side by side in one run, for each of SmolLM2's weight shapes at 1-16 rows, for
+all of SmolLM2's linear layers at once (every layer's own weights: the memory a real step reads), and for whole
+decoding steps of the reference engine (plain decoding and chains of 1-4 EAGLE drafts) on each path.
 
-    .venv/bin/python bench/linear_head.py [--model smollm2] [--threads 2]   # about 2 minutes
+    .venv/bin/python bench/linear_head.py [--model smollm2] [--threads 2]     # about 3 minutes
+    # writes bench/results/linear_paths.{md,jsonl}; --out DIR elsewhere
 
-Medians over repeats, both paths timed side by side in one run (alternating)."""
+Each cell is the median over repeats; the paths alternate call by call. `batch-invariant` says whether a row's
+result was bit-identical alone and among 2-16 others on every shape (the few-row kernel is by construction).
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
+from entmtp_sglang.bench.sglang_benchmark import machine
 from entmtp_sglang.engine.engine import Engine, static_chooser
+from entmtp_sglang.kernels import fewrow_linear as fewrow
 from entmtp_sglang.model import linear as L
 from entmtp_sglang.model.load import load_bundle
 from entmtp_sglang.model.prepare import resolve_model
 from entmtp_sglang.tree import Tree
+
+ROOT = Path(__file__).resolve().parent.parent
+ROWS = (1, 2, 4, 6, 8, 16)
 
 
 def median_ms(fn, repeats: int) -> float:
@@ -32,6 +43,31 @@ def median_ms(fn, repeats: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def interleaved_ms(fns: dict, repeats: int) -> dict[str, float]:
+    """Median ms per function, calls alternating so a noisy moment hits every path alike."""
+    for fn in fns.values():
+        fn()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def model_weights(bundle) -> dict[str, list[torch.Tensor]]:
+    """Every linear layer of the target, as the packed paths call them (q/k/v and gate/up stacked)."""
+    out = {"qkv": [], "o_proj": [], "gate_up": [], "down_proj": []}
+    for layer in bundle.target.model.layers:
+        a, m = layer.self_attn, layer.mlp
+        out["qkv"].append(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+        out["o_proj"].append(a.o_proj.weight)
+        out["gate_up"].append(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        out["down_proj"].append(m.down_proj.weight)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2")
@@ -39,38 +75,88 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--tokens", type=int, default=24, help="new tokens per timed generate call")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results", help="writes linear_paths.{md,jsonl}")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     bundle = load_bundle(resolve_model(args.model), args.drafter)
-    layer = bundle.target.model.layers[0]
-    weights = {"q_proj": layer.self_attn.q_proj.weight, "k_proj": layer.self_attn.k_proj.weight,
-               "gate_proj": layer.mlp.gate_proj.weight, "down_proj": layer.mlp.down_proj.weight,
-               "output layer": bundle.target.lm_head_weight}
-    print(f"{args.threads} threads; ms per call, F.linear vs linear (speed-up)")
-    L.ONEDNN = True
+    paths = [p for p in ("torch", "onednn", "fewrow") if p in L._candidates()]
+    layers = model_weights(bundle)
+    shapes = {name: ws[0] for name, ws in layers.items()}
+    shapes["output layer"] = bundle.target.lm_head_weight
+    shapes["draft output layer"] = bundle.target.lm_head_weight[:8192]  # the EAGLE drafter's 8,192-token vocabulary
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip()
+    cpu = fewrow._cpu_key().split("|")[1]
+    header = {**machine(), "commit": commit, "date": time.strftime("%Y-%m-%d"), "threads": args.threads, "cpu": cpu,
+              "isa": fewrow.isa()}
+    records = []
+    lines = [f"# CPU linear paths on {header.get('cpu', '?')}, {args.threads} threads, commit {commit}, "
+             f"{header['date']}", "",
+             "ms per call, median of " + str(args.repeats) + "; in brackets each path's cost over its own 1-row cost",
+             "", "| weight | shape | rows | " + " | ".join(paths) + " |", "|---|---|---|" + "---|" * len(paths)]
+    label = {"torch": "F.linear", "onednn": "oneDNN packed", "fewrow": "few-row kernel"}
+    lines[4] = "| weight | shape | rows | " + " | ".join(label[p] for p in paths) + " |"
     with torch.no_grad():
-        for name, w in weights.items():
-            cells = []
-            for rows in (1, 2, 3, 4, 8, 16):
+        invariant = {p: L.batch_invariant(p, list(shapes.values())) for p in paths}
+        for name, w in shapes.items():
+            packed = {p: L._packer(p)(w.contiguous()) for p in paths}
+            one = {}
+            for rows in ROWS:
                 x = torch.randn(rows, w.shape[1])
-                a = median_ms(lambda: F.linear(x, w), args.repeats)
-                b = median_ms(lambda: L.linear(x, w), args.repeats)
-                cells.append(f"{rows}: {a:.3f}/{b:.3f} ({a / b:.2f}x)")
-            print(f"  {name} {tuple(w.shape)}  " + "  ".join(cells))
+                ms = interleaved_ms({p: (lambda p=p: L._multiply(p)(x, packed[p], None)) for p in paths},
+                                    args.repeats)
+                one = one or ms
+                records.append({"kind": "shape", "weight": name, "shape": list(w.shape), "rows": rows, "ms": ms})
+                lines.append(f"| {name} | {tuple(w.shape)} | {rows} | "
+                             + " | ".join(f"{ms[p]:.3f} ({ms[p] / one[p]:.2f}x)" for p in paths) + " |")
+        # the whole model's linear layers, each layer's own weights (what a decoding step reads)
+        packed = {p: [(L._packer(p)(w.contiguous())) for ws in layers.values() for w in ws] + [
+            L._packer(p)(bundle.target.lm_head_weight.contiguous())] for p in paths}
+        widths = [w.shape[1] for ws in layers.values() for w in ws] + [bundle.target.lm_head_weight.shape[1]]
+        lines += ["", "All of the target's linear layers and its output layer (30 layers' own weights), ms per pass:",
+                  "", "| rows | " + " | ".join(label[p] for p in paths) + " |", "|---|" + "---|" * len(paths)]
+        one = {}
+        for rows in ROWS:
+            xs = {k: torch.randn(rows, k) for k in set(widths)}
+
+            def whole(p):
+                mul = L._multiply(p)
+                for k, pw in zip(widths, packed[p]):
+                    mul(xs[k], pw, None)
+            ms = interleaved_ms({p: (lambda p=p: whole(p)) for p in paths}, max(5, args.repeats // 3))
+            one = one or ms
+            records.append({"kind": "model", "rows": rows, "ms": ms})
+            lines.append(f"| {rows} | " + " | ".join(f"{ms[p]:.2f} ({ms[p] / one[p]:.2f}x)" for p in paths) + " |")
+    lines += ["", "Batch-invariant on every shape above (rows alone and among 2-16 others bit-identical): "
+              + ", ".join(f"{label[p]} {'yes' if invariant[p] else 'no'}" for p in paths)]
     engine = Engine(bundle.target, bundle.drafter_kind, bundle.drafter, None)
     prompt = [bundle.text_ids("Explain how a bicycle stays upright, step by step.")]
     calls = max(3, args.repeats // 6)
-    print(f"engine steps ({args.drafter}, batch 1, {args.tokens} new tokens, median step over {calls} calls)")
-    for depth in (0, 1, 2, 4):
-        step = {"F.linear": [], "linear": []}
-        for _ in range(calls):
-            for name in step:
-                L.ONEDNN = name == "linear"
-                res = engine.generate(prompt, args.tokens, static_chooser(Tree.chain(depth)))
-                step[name] += [s.seconds for s in res[0].steps[1:]]
-        a, b = (1e3 * statistics.median(step[k]) for k in ("F.linear", "linear"))
-        L.ONEDNN = True
-        print(f"  chain:{depth}: F.linear {a:6.1f} ms   linear {b:6.1f} ms   {a / b:.2f}x")
+    lines += ["", f"Reference engine steps ({args.drafter}, batch 1, {args.tokens} new tokens, median step over "
+              f"{calls} calls, ms):", "", "| tree | " + " | ".join(label[p] for p in paths) + " |",
+              "|---|" + "---|" * len(paths)]
+    chosen = L.choose_path
+    try:
+        for depth in (0, 1, 2, 4):
+            step = {p: [] for p in paths}
+            for _ in range(calls):
+                for p in paths:
+                    L.choose_path = lambda p=p: p
+                    res = engine.generate(prompt, args.tokens, static_chooser(Tree.chain(depth)))
+                    step[p] += [s.seconds for s in res[0].steps[1:]]
+            ms = {p: 1e3 * statistics.median(step[p]) for p in paths}
+            records.append({"kind": "engine_step", "tree": f"chain:{depth}", "ms": ms})
+            lines.append(f"| chain:{depth} | " + " | ".join(f"{ms[p]:.1f}" for p in paths) + " |")
+    finally:
+        L.choose_path = chosen
+    lines += ["", f"This machine's choice (`entmtp kernels`): {L.choose_path()}"]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "linear_paths.md").write_text(text)
+    with open(args.out / "linear_paths.jsonl", "w") as f:
+        for r in records:
+            f.write(json.dumps({**header, "invariant": invariant, **r}) + "\n")
     return 0
 
 

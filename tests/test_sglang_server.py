@@ -87,6 +87,18 @@ def test_entmtp_greedy_equals_sglang_plain_at_batch_8(servers, reference):
     assert any(o["meta_info"].get("spec_verify_ct") for o in outs)
 
 
+def test_both_servers_take_the_machines_batch_invariant_linear_path(servers):
+    """The package's plugin loads in the plain server too: its float32 linear layers are this machine's choice
+    (the few-row kernel, padded oneDNN, or SGLang's own F.linear where that is the choice), the same as ENTMTP's,
+    so the greedy equality above is checked on the same layers."""
+    from entmtp_sglang.model import linear
+
+    expected = linear.choose_path()
+    for srv in servers:
+        taken = set(re.findall(r"CPU linear layers take the (\w+) path", srv.log_text()))
+        assert taken == ({expected} if expected != "torch" else set()), (srv.log_path, taken)
+
+
 def test_meta_info_reports_trees_and_accepted_lengths(servers):
     _, ent = servers
     out = ent.generate("def add(a, b):\n    return", 24)
@@ -192,9 +204,9 @@ def test_penalised_greedy_requests_equal_plain_decoding(servers, exact_plain, pe
 def test_near_the_context_limit_entmtp_serves_what_eagle_serves(servers):
     """Found by an outside test: 500 prompt + 8 new tokens in the bundled model's 512-token context got HTTP 400
     from ENTMTP, which SGLang charged max(topk 2 * depth 3, 4 nodes) = 6 reserved input tokens, while EAGLE
-    (3 steps, topk 1, 4 draft tokens: 4 reserved) served it. ENTMTP now reserves only what SGLang's per-step KV
-    allocation needs beyond the req_to_token row (admission.entmtp_reserved_tokens: 12 - 8 - 1 = 3); its
-    trees are capped by each request's room. Up to prompt + max_new_tokens = 509 it equals plain decoding."""
+    (3 steps, topk 1, 4 draft tokens: 4 reserved) served it. ENTMTP now reserves no input tokens (issue 35:
+    admission.py, the req_to_token row holds SGLang's per-step allocation); its trees are capped by each
+    request's room. Here it equals plain decoding; test_sglang_context_limit.py goes up to the limit."""
     from tokenizers import Tokenizer
 
     from entmtp_sglang.model.load import BUNDLED_MODEL

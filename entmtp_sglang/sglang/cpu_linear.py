@@ -17,10 +17,13 @@ and GPU layers keep SGLang's path.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..model.linear import PackedWeight, applies, packed_linear
 
+logger = logging.getLogger(__name__)
 LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
 LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 HOOKED = {
@@ -43,9 +46,24 @@ def _plain_weight(module) -> bool:
             and not getattr(module, "use_intel_amx_backend", False))
 
 
+_announced = False
+
+
+def _announce(cache: PackedWeight) -> None:
+    """One log line per process, at the first hooked call (SGLang's logging is set up by then)."""
+    global _announced
+    if not _announced:
+        _announced = True
+        logger.info("ENTMTP: SGLang's float32 CPU linear layers take the %s path (batch-invariant, packed once; "
+                    "`entmtp kernels` shows why)", cache.path)
+
+
 def linear_apply(original, self, layer, x, bias=None):
     if _plain_weight(layer) and applies(x, layer.weight, *(() if bias is None else (bias,))):
-        return packed_linear(x, _packed(layer).get((layer.weight,)), bias)
+        cache = _packed(layer)
+        out = packed_linear(x, cache.get((layer.weight,)), bias)
+        _announce(cache)
+        return out
     return original(self, layer, x, bias)
 
 
@@ -65,7 +83,9 @@ def register_hooks(check_signature) -> None:
 
     from ..model import linear as packed
 
-    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1" or packed.choose_path() == "torch":
+    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1":
+        return
+    if packed.choose_path() == "torch":
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
