@@ -68,6 +68,13 @@ def _load() -> str | None:
     try:
         from torch.utils import cpp_extension
 
+        try:  # the `ninja` wheel (a dependency) where the machine has none on PATH
+            import ninja
+
+            if ninja.BIN_DIR not in os.environ.get("PATH", "").split(os.pathsep):
+                os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+        except ImportError:
+            pass
         out = build_dir()
         out.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(

@@ -158,7 +158,7 @@ def _cache_file() -> Path:
 def _machine_key() -> str:
     src = fewrow.SOURCE.read_bytes() if fewrow.SOURCE.exists() else b""
     return "|".join([fewrow._cpu_key(), torch.__version__, f"threads={torch.get_num_threads()}",
-                     hashlib.sha256(src).hexdigest()[:12]])
+                     hashlib.sha256(src).hexdigest()[:12], ",".join(_candidates())])
 
 
 def _decide() -> dict:
