@@ -1,22 +1,33 @@
-"""The product benchmark: ENTMTP as `make serve` starts it against plain SGLang, SGLang's EAGLE (the static grid)
-and `--speculative-adaptive`, on SmolLM2-135M-Instruct on this CPU.
+"""The product benchmark: ENTMTP as `make serve` starts it against stock SGLang, plain SGLang with this package
+installed, SGLang's EAGLE (the static grid) and `--speculative-adaptive`, on SmolLM2-135M-Instruct on this CPU.
 
-    .venv/bin/python bench/sglang_speed.py                  # 40-80 minutes; writes bench/results/sglang_speed.*
+    .venv/bin/python bench/sglang_speed.py                  # about 25 minutes; writes bench/results/sglang_speed.*
     .venv/bin/python bench/sglang_speed.py --render bench/results/sglang_speed.jsonl   # the table again, no servers
+    .venv/bin/python bench/sglang_speed.py --tasks code --batches 1 --per-task 2 --max-new-tokens 8 --repeats 1
+        --systems plain,entmtp --out /tmp/smoke      # a smoke run (a few minutes): stock, plain and ENTMTP, code
 
-Systems: plain SGLang, SGLang's EAGLE over the static grid (s1-k1-n2, s2-k1-n3, s3-k1-n4, s3-k2-n6),
-`--speculative-adaptive` and ENTMTP, all with the same EAGLE drafter. Each SmolLM2 server holds about 4 GiB here, so
-no more than four are up at once (--at-once): plain and three others per wave, ENTMTP's wave first with adaptive
-and the smallest static setting; plain runs again in every wave, and each paired ratio divides by the plain run
-beside it. A second table gives ENTMTP's paired ratio over the best static EAGLE setting's and adaptive's.
+Systems (entmtp_sglang/bench/sglang_benchmark.py says how each is started):
+- `plain-stock`, the baseline: stock SGLang, this package's general plugin not loaded (SGLANG_PLUGINS=entmtp_cpu_ops:
+  only the eight sgl_kernel CPU ops SGLang cannot start on a CPU without), SGLang's own linear layers, attention
+  (torch_native) and sampling. Every ratio divides by it, every paired ratio by its run beside in the same wave.
+- `plain`: plain SGLang with this package installed (the plugin's CPU linear layers, sglang/cpu_linear.py); ENTMTP's
+  greedy output is checked against it token for token (the same layers), and every output against stock's too.
+- `entmtp`: `--speculative-algorithm ENTMTP` as `make serve` starts it.
+- SGLang's EAGLE over the static grid (s1-k1-n2, s2-k1-n3, s3-k1-n4, s3-k2-n6) and `--speculative-adaptive`, with the
+  same EAGLE drafter and token map. Stock SGLang cannot run them on a CPU (torch_native refuses EAGLE; intel_amx
+  needs a CPU build of sgl-kernel), so they run in the closest form: the plugin loaded for its `entmtp_torch`
+  attention and CPU ops, on SGLang's own linear layers (ENTMTP_LINEAR=torch; `--eagle-layers package` puts them on
+  the plugin's layers instead).
+Each SmolLM2 server holds about 4 GiB here, so no more than four are up at once (--at-once): stock and plain in
+every wave, two others beside them, ENTMTP's wave first. A second table gives ENTMTP's paired ratio over the best
+static EAGLE setting's and adaptive's.
 
 Workloads (held-out prompts through the model's chat template, greedy, float32): code, chat, prose, JSON under a
 schema (the json task's schemas), tool calls under a schema (bench/workloads/tool_calls.json), each at batch 1
 and 4; the mixed stream (all of them) at batch 8 and 16, and at batch 1 and 4 as the sum of the five tasks' runs
 (the same requests: tokens over seconds added up). The servers of a wave are measured interleaved
 (entmtp_sglang/bench/sglang_benchmark.py); tokens/s is the median over repeats, and every output is compared with
-plain decoding's. `plain-stock` is plain SGLang with SGLang's own CPU linear layers
-(ENTMTP_ONEDNN=0); every other server uses the packed oneDNN layers the plugin installs (sglang/cpu_linear.py).
+plain decoding's (with this package) and stock SGLang's.
 """
 
 from __future__ import annotations
@@ -31,10 +42,14 @@ from entmtp_sglang.bench.sglang_benchmark import (
     ADAPTIVE,
     EAGLE_GRID,
     PLAIN,
+    STOCK,
     Row,
     SystemSpec,
+    baseline_of,
+    machine,
     rows_from_jsonl,
     run_workloads,
+    sglang_layers,
     to_markdown,
     versus,
     write,
@@ -45,11 +60,22 @@ from entmtp_sglang.tasks import load_prompts, load_schema
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "bench" / "workloads" / "tool_calls.json"
 ENTMTP = SystemSpec("entmtp", "ENTMTP")
-STOCK = SystemSpec("plain-stock", None, attention="torch_native", env=(("ENTMTP_ONEDNN", "0"),))
-# ENTMTP's wave first: measured beside the two systems it is closest to (adaptive, the smallest static tree)
-SYSTEMS = (PLAIN, ENTMTP, ADAPTIVE, *EAGLE_GRID, STOCK)
-DEFAULT = tuple(s.name for s in SYSTEMS if s is not STOCK)
+# SGLang's EAGLE and --speculative-adaptive as close to stock as they run on a CPU (module docstring)
+EAGLE_SGLANG_LAYERS = tuple(sglang_layers(s) for s in (ADAPTIVE, *EAGLE_GRID))
+# stock and plain in every wave; ENTMTP's wave first, beside adaptive
+SYSTEMS = (STOCK, PLAIN, ENTMTP, *EAGLE_SGLANG_LAYERS)
+EVERY_WAVE = (STOCK.name, PLAIN.name)
+DEFAULT = tuple(s.name for s in SYSTEMS)
 AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB
+TASKS = ("code", "chat", "prose", "json", "tool-call")
+
+
+def systems_for(names: list[str], eagle_layers: str = "sglang") -> list[SystemSpec]:
+    """The specs to run, in SYSTEMS' order: the named ones and the baseline (stock SGLang), which every ratio needs.
+    `eagle_layers="package"`: EAGLE and adaptive on this package's linear layers instead of SGLang's."""
+    specs = SYSTEMS if eagle_layers == "sglang" else (STOCK, PLAIN, ENTMTP, ADAPTIVE, *EAGLE_GRID)
+    wanted = set(names) | {STOCK.name}
+    return [s for s in specs if s.name in wanted]
 
 
 def chat(tokenizer, user: str, system: str | None = None) -> str:
@@ -97,35 +123,66 @@ def _per_repeat(parts: list[tuple[int, list[float]]]) -> list[float]:
 
 def mixed_rows(rows: list[Row], batches) -> list[Row]:
     """The mixed stream at `batches` from the per-task rows: each system's tokens and seconds added up, per repeat
-    too, and so plain's runs beside them (their paired ratio)."""
+    too, and so the baseline's runs beside them (their paired ratio; the baseline is stock SGLang when the rows
+    have it, `baseline_of`)."""
     out = []
+    baseline = baseline_of(rows)
     for b in batches:
-        plain = {r.task: r for r in rows if r.system == "plain" and r.batch == b}
+        base = {r.task: r for r in rows if r.system == baseline and r.batch == b}
         for system in dict.fromkeys(r.system for r in rows):
             part = [r for r in rows if r.system == system and r.batch == b and r.task not in ("", "mixed")]
             if part:
                 eq = [r.equal_to_plain for r in part]
+                eq_stock = [r.equal_to_stock for r in part]
                 trees = sum((r.trees for r in part), start=type(part[0].trees)())
                 # per repeat: every task's tokens (the same each repeat, greedy) over its seconds in that repeat
                 per_repeat = _per_repeat([(r.tokens, r.repeat_tokens_per_s) for r in part])
-                beside = ([] if not all(r.plain_repeat_tokens_per_s and r.task in plain for r in part) else
-                          _per_repeat([(plain[r.task].tokens, r.plain_repeat_tokens_per_s) for r in part]))
+                beside = ([] if not all(r.plain_repeat_tokens_per_s and r.task in base for r in part) else
+                          _per_repeat([(base[r.task].tokens, r.plain_repeat_tokens_per_s) for r in part]))
                 out.append(Row(system, b, sum(r.tokens for r in part), sum(r.seconds for r in part),
                                [a for r in part for a in r.accept_lengths], trees,
                                None if None in eq else sum(eq), sum(r.requests for r in part), per_repeat,
-                               task="mixed", plain_repeat_tokens_per_s=beside))
+                               task="mixed", plain_repeat_tokens_per_s=beside,
+                               equal_to_stock=None if None in eq_stock else sum(eq_stock)))
     return out
 
 
-def tables(rows: list[Row]) -> str:
+def preface(rows: list[Row], meta: dict | None = None) -> str:
+    """What the ratios divide by, how each plain server ran, and the processor (from the run's JSON lines)."""
+    meta = meta or {}
+    lines = []
+    if meta.get("processor"):
+        lines.append(f"Processor: {meta['processor']}; {meta.get('cpus', '?')} CPUs; commit "
+                     f"{str(meta.get('commit', ''))[:7] or '?'}.")
+    if baseline_of(rows) == STOCK.name:
+        layers = meta.get("layers") or {}
+        eagle = sorted(n for n, v in layers.items() if n.startswith("eagle-"))
+        on = {layers[n] for n in eagle}
+        how = ("SGLang's own linear layers, the plugin loaded for its attention backend and CPU ops (stock SGLang "
+               "cannot run EAGLE on a CPU)" if on == {"sglang"} else
+               "this package's linear layers" if on == {"package"} else "")
+        lines.append("Every ratio divides by stock SGLang (`plain-stock`: SGLANG_PLUGINS=entmtp_cpu_ops, this "
+                     "package's general plugin not loaded), every paired ratio by its run beside in the same wave and "
+                     "repeat. `plain` is plain SGLang with this package installed (its CPU linear layers). "
+                     "greedy = plain / = stock: outputs equal to theirs token for token (the fewest over repeats)."
+                     + (f" EAGLE and adaptive: {how}." if how else ""))
+    return "\n".join(lines) + ("\n\n" if lines else "")
+
+
+def tables(rows: list[Row], meta: dict | None = None) -> str:
     """The results table, then ENTMTP against the best static EAGLE setting and adaptive."""
     names = {r.system for r in rows}
     statics = [s.name for s in EAGLE_GRID if s.name in names]
-    text = to_markdown(rows)
+    text = preface(rows, meta) + to_markdown(rows)
+    base = "stock" if baseline_of(rows) == STOCK.name else "plain"
     if "entmtp" in names and (statics or ADAPTIVE.name in names):
-        text += ("\n\nENTMTP's paired ratio to plain over each system's (the best static EAGLE setting named):\n\n"
+        text += (f"\n\nENTMTP's paired ratio to {base} over each system's (the best static EAGLE setting named):\n\n"
                  + versus(rows, "entmtp", {"best static EAGLE": statics, "adaptive": [ADAPTIVE.name]}))
     return text
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x.strip())
 
 
 def main() -> None:
@@ -136,19 +193,30 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--systems", default=",".join(DEFAULT), help="comma-separated, from: " + ", ".join(
-        s.name for s in SYSTEMS) + " (default: %(default)s)")
+        s.name for s in SYSTEMS) + f" (default: all); {STOCK.name}, the baseline, always runs")
+    ap.add_argument("--tasks", default=",".join(TASKS) + ",mixed", help="comma-separated workloads, from: "
+                    + ", ".join(TASKS) + ", mixed (the mixed stream: all the tasks' prompts) (default: all)")
+    ap.add_argument("--batches", type=_ints, default=(1, 4), help="batch sizes of each task (default 1,4; the mixed "
+                    "rows at these batch sizes sum the runs of the tasks measured)")
+    ap.add_argument("--mixed-batches", type=_ints, default=(8, 16), help="batch sizes of the mixed stream, measured "
+                    "as one workload (default 8,16; empty: none)")
+    ap.add_argument("--eagle-layers", choices=("sglang", "package"), default="sglang", help="linear layers of the "
+                    "EAGLE and adaptive servers: SGLang's own (default: the closest to stock SGLang they run in on a "
+                    "CPU) or this package's")
     ap.add_argument("--at-once", type=int, default=AT_ONCE, help="the most servers up together; more systems run "
-                    "in waves, plain decoding in each (default %(default)s: each server holds about 4 GiB)")
+                    "in waves, stock and plain SGLang in each (default %(default)s: each server holds about 4 GiB)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--render", type=Path, metavar="JSONL",
                     help="start no server: draw the Markdown table again from a run's JSON lines (into --out)")
     args = ap.parse_args()
     if args.render is not None:
-        rows = [r for r in rows_from_jsonl(args.render) if not (r.task == "mixed" and r.batch in (1, 4))]
-        rows += mixed_rows(rows, (1, 4))
+        rows = [r for r in rows_from_jsonl(args.render) if not (r.task == "mixed" and r.batch in args.batches)]
+        rows += mixed_rows(rows, args.batches)
+        first = args.render.read_text().splitlines()[:1]
+        meta = json.loads(first[0]) if first else {}
         args.out.mkdir(parents=True, exist_ok=True)
-        args.out.joinpath("sglang_speed.md").write_text(tables(rows) + "\n")
-        print(tables(rows))
+        args.out.joinpath("sglang_speed.md").write_text(tables(rows, meta) + "\n")
+        print(tables(rows, meta))
         return
     from transformers import AutoTokenizer
 
@@ -157,25 +225,36 @@ def main() -> None:
     unknown = sorted(set(names) - {s.name for s in SYSTEMS})
     if unknown:
         ap.error(f"unknown system(s) {', '.join(unknown)}")
+    chosen = [t for t in args.tasks.split(",") if t]
+    bad = sorted(set(chosen) - set(TASKS) - {"mixed"})
+    if bad or not chosen:
+        ap.error(f"unknown task(s) {', '.join(bad) or '(none)'}; choose from {', '.join(TASKS)}, mixed")
     kv = ("--max-total-tokens", "6000")   # the longest batch here needs under 5k tokens of KV
-    systems = [dataclasses.replace(s, args=s.args + kv) for s in SYSTEMS if not names or s.name in names]
+    systems = [dataclasses.replace(s, args=s.args + kv) for s in systems_for(names, args.eagle_layers)]
     tasks = workloads(AutoTokenizer.from_pretrained(str(model)), args.per_task, args.max_new_tokens)
-    work = {task: (items, (1, 4)) for task, items in tasks.items()}
-    work["mixed"] = ([p for items in tasks.values() for p in items], (8, 16))
+    work = {task: (items, tuple(args.batches)) for task, items in tasks.items() if task in chosen and args.batches}
+    if "mixed" in chosen and args.mixed_batches:
+        work["mixed"] = ([p for t in TASKS for p in tasks[t]], tuple(args.mixed_batches))
+    if not work:
+        ap.error("nothing to measure: no task at any batch size")
+    every = tuple(n for n in EVERY_WAVE if n in {s.name for s in systems})
     t0 = time.time()
     config = {"model": model.name, "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
-              "systems": [s.name for s in systems], "workloads": {k: list(v[1]) for k, v in work.items()}}
+              "systems": [s.name for s in systems], "workloads": {k: list(v[1]) for k, v in work.items()},
+              "baseline": STOCK.name, "every_wave": list(every), "layers": {s.name: s.layers for s in systems},
+              "env": {s.name: dict(s.env) for s in systems}}
+    summed = tuple(b for b in args.batches if "mixed" not in work or b not in work["mixed"][1])
 
     def save(rows, done):
-        rows = rows + mixed_rows(rows, (1, 4))
-        write(rows, args.out, {**config, "repeats": args.repeats, "repeats_done": done,
-                               "duration_s": round(time.time() - t0)}, name="sglang_speed")
-        args.out.joinpath("sglang_speed.md").write_text(tables(rows) + "\n")
+        rows = rows + mixed_rows(rows, summed)
+        meta = {**config, "repeats": args.repeats, "repeats_done": done, "duration_s": round(time.time() - t0)}
+        write(rows, args.out, meta, name="sglang_speed")
+        args.out.joinpath("sglang_speed.md").write_text(tables(rows, {**meta, **machine()}) + "\n")
 
     rows = run_workloads(systems, work, args.repeats, ROOT / "runs" / "sglang-speed", on_repeat=save, model=model,
-                         starts_at_once=2, at_once=args.at_once)
+                         starts_at_once=2, at_once=args.at_once, baseline=STOCK.name, every=every)
     save(rows, args.repeats)
-    print(tables(rows + mixed_rows(rows, (1, 4))))
+    print(tables(rows + mixed_rows(rows, summed), {**config, **machine()}))
     print(f"duration {time.time() - t0:.0f} s")
 
 

@@ -115,6 +115,58 @@ def test_table_jsonl_and_plots(small_run, tmp_path):
         assert files[k].exists() and files[k].stat().st_size > 1000
 
 
+def test_the_report_names_the_processor_and_compares_outputs_across_engines(small_run):
+    """The header names the processor with its AVX/AMX flags; at batch 1 every system stands beside transformers'
+    generate, and every output is compared with both engines' plain decoding (same prompt token ids)."""
+    from entmtp_sglang.bench.processor import describe, processor_info
+
+    md = markdown(small_run)
+    cpu = processor_info()
+    assert small_run.meta["machine"]["processor"] == describe(cpu)
+    assert f"Processor: {describe(cpu)}, " in md
+    assert "### Side by side at batch 1 on the bundled entmtp-tiny: tokens/s across engines" in md
+    assert "| vs `hf-greedy` (same repeat) | outputs = `plain` | outputs = `hf-greedy` |" in md
+    rows = {(r["task"], r["system"], r["batch"]): r for r in small_run.rows}
+    for name in ("entmtp-hydra", "hf-prompt-lookup", "hf-greedy", "plain"):
+        r = rows[(OVERALL, name, 1)]
+        n = sum(len(m.outcomes) for m in small_run.measurements if m.system == name and m.batch_size == 1
+                and m.repeat == 0)
+        own = r["baseline"]
+        assert set(r["equal_to"]) == {"plain", "hf-greedy"} - {name}, r["equal_to"]
+        for ref, (eq, total) in r["equal_to"].items():
+            assert total == n and 0 <= eq <= total
+            if ref == own:      # its own engine's plain decoding: lossless
+                assert eq == total
+    plain_row = next(ln for ln in md.splitlines() if ln.startswith("| plain | reference | "))
+    hf = rows[(OVERALL, "hf-greedy", 1)]["equal_to"]["plain"]
+    assert plain_row.endswith(f"| - | {hf[0]}/{hf[1]} |"), plain_row
+    assert "The reference engine's plain decoding runs at " in md
+
+
+def test_the_side_by_side_divides_by_transformers_in_the_same_repeat():
+    """Reference plain at 20 and 40 tok/s beside hf-greedy at 10 and 40 in the same repeats: 1.50x (the median of 2.0
+    and 1.0), not the 1.20x of the medians; output counts come from each row's `equal_to`."""
+    from entmtp_sglang.bench.report import side_by_side
+    from entmtp_sglang.bench.runner import BenchResult
+
+    cfg = BenchConfig(tasks=("code",), systems=("plain", "hf-greedy"), batch_sizes=(1,), name="test")
+    meta = {"systems": {"plain": {"engine": "reference", "baseline": "plain"},
+                        "hf-greedy": {"engine": "transformers", "baseline": "hf-greedy"}}}
+
+    def row(task, system, tps, eq):
+        return {"task": task, "system": system, "batch": 1, "tokens_per_s": sum(tps) / 2,
+                "repeats_tokens_per_s": list(tps), "equal_to": eq}
+
+    rows = [row(t, "plain", (20.0, 40.0), {"hf-greedy": [3, 4]}) for t in ("code", OVERALL)]
+    rows += [row(t, "hf-greedy", (10.0, 40.0), {"plain": [3, 4]}) for t in ("code", OVERALL)]
+    lines = side_by_side(BenchResult(cfg, meta, rows))
+    assert "| plain | reference | 30.0 | 30.0 | 1.50x | - | 3/4 |" in lines, lines
+    assert "| hf-greedy | transformers | 25.0 | 25.0 | 1.00x | 3/4 | - |" in lines, lines
+    assert any(ln.startswith("The reference engine's plain decoding runs at 1.50x") for ln in lines)
+    one_engine = {"systems": {"plain": meta["systems"]["plain"]}}
+    assert side_by_side(BenchResult(cfg, one_engine, rows[:2])) == []
+
+
 def test_streams_come_from_the_test_split_and_fit_the_context():
     from tokenizers import Tokenizer
 
@@ -494,6 +546,29 @@ def test_engines_choose_the_systems_that_run():
         config_from_args(_args("--engines", "warp"))
     with pytest.raises(ValueError, match="no system of engine"):
         config_from_args(_args("--systems", "plain", "--engines", "sglang"))
+
+
+def test_the_quick_run_adds_a_side_by_side_on_smollm2_against_transformers():
+    """--quick (on the bundled model) adds a batch-1 run on SmolLM2: the reference engine's plain and EntMTP beside
+    transformers' greedy and prompt lookup; not when told `none`, when the quick run is already on SmolLM2, when
+    only SGLang runs, or outside --quick."""
+    from entmtp_sglang.bench.cli import side_by_side_from_args
+
+    def side(*argv):
+        args = _args(*argv)
+        return side_by_side_from_args(args, config_from_args(args))
+
+    cfg = side("--quick")
+    assert cfg.model_dir == "smollm2" and cfg.batch_sizes == (1,) and cfg.name == "quick_side_by_side"
+    assert cfg.run_systems() == ("plain", "entmtp-hydra", "hf-greedy", "hf-prompt-lookup")
+    assert "mixed" in cfg.tasks and cfg.threads == 1
+    assert side("--quick", "--threads", "2").threads == 2
+    assert side("--quick", "--side-by-side", "entmtp-tiny", "--model", "smollm2").model_dir is None
+    assert side("--quick", "--side-by-side", "none") is None
+    assert side("--quick", "--model", "smollm2") is None
+    assert side("--quick", "--engines", "sglang") is None
+    assert side("--quick", "--engines", "transformers") is not None
+    assert side() is None and side("--tasks", "code") is None
 
 
 # -- real SGLang servers (slow) ------------------------------------------------------------------------

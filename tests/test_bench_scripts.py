@@ -209,3 +209,85 @@ def test_step_profile_pairs_each_step_with_the_plain_step_of_its_repeat_and_rend
     lines = prof.render(path)
     assert "| 1 | rest (chain:0) | 1 | 0 | 60.0 | 1.00x (1.00x) | 55.0 | 1.00x (1.02x) |" in lines
     assert "| rest | 1 | " + " | ".join("1.0" for _ in prof.STAGES) + " | 2.0 |" in lines
+
+
+def test_the_product_benchmark_runs_stock_sglang_as_its_baseline_in_every_wave():
+    """bench/sglang_speed.py: stock SGLang always runs (even when --systems leaves it out) and stays up with plain in
+    every wave; ENTMTP's wave comes first; EAGLE and adaptive run on SGLang's own linear layers unless asked."""
+    from entmtp_sglang.bench.sglang_benchmark import waves
+
+    speed = load_script("sglang_speed")
+    specs = speed.systems_for(list(speed.DEFAULT))
+    plan = waves(specs, speed.AT_ONCE, speed.EVERY_WAVE)
+    assert [[s.name for s in w] for w in plan] == [
+        ["plain-stock", "plain", "entmtp", "eagle-adaptive"], ["plain-stock", "plain", "eagle-s1-k1-n2",
+                                                              "eagle-s2-k1-n3"],
+        ["plain-stock", "plain", "eagle-s3-k1-n4", "eagle-s3-k2-n6"]]
+    by = {s.name: s for s in specs}
+    assert by["plain-stock"].stock and dict(by["plain-stock"].env) == {"SGLANG_PLUGINS": "entmtp_cpu_ops"}
+    assert {n: s.layers for n, s in by.items()} == {"plain-stock": "sglang", "plain": "package", "entmtp": "package",
+                                                    **{n: "sglang" for n in by if n.startswith("eagle-")}}
+    assert [s.name for s in speed.systems_for(["entmtp"])] == ["plain-stock", "entmtp"]
+    package = {s.name: s.layers for s in speed.systems_for(["eagle-adaptive"], "package")}
+    assert package == {"plain-stock": "sglang", "eagle-adaptive": "package"}
+
+
+def test_the_mixed_stream_and_the_tables_divide_by_stock_when_the_run_has_it():
+    """With stock rows the mixed rows pair with stock's runs (stock's tokens over its seconds beside each repeat),
+    sum the outputs equal to stock, and the tables say the ratios are over stock."""
+    from entmtp_sglang.bench.sglang_benchmark import Row, paired_ratio
+
+    speed = load_script("sglang_speed")
+    rows = [Row("plain-stock", 1, 100, 10.0, requests=4, repeat_tokens_per_s=[10.0, 10.0], task="code",
+                equal_to_plain=4),
+            Row("plain-stock", 1, 300, 10.0, requests=4, repeat_tokens_per_s=[30.0, 30.0], task="json",
+                equal_to_plain=3),
+            Row("plain", 1, 100, 5.0, requests=4, repeat_tokens_per_s=[20.0, 20.0], task="code",
+                plain_repeat_tokens_per_s=[10.0, 10.0], equal_to_stock=4),
+            Row("plain", 1, 300, 5.0, requests=4, repeat_tokens_per_s=[60.0, 60.0], task="json",
+                plain_repeat_tokens_per_s=[30.0, 30.0], equal_to_stock=3),
+            Row("entmtp", 1, 100, 5.0, requests=4, equal_to_plain=4, equal_to_stock=4,
+                repeat_tokens_per_s=[20.0, 20.0], task="code", plain_repeat_tokens_per_s=[10.0, 10.0]),
+            Row("entmtp", 1, 300, 10.0, requests=4, equal_to_plain=4, equal_to_stock=2,
+                repeat_tokens_per_s=[30.0, 30.0], task="json", plain_repeat_tokens_per_s=[30.0, 30.0]),
+            Row("eagle-adaptive", 1, 100, 10.0, requests=4, equal_to_plain=4, equal_to_stock=4,
+                repeat_tokens_per_s=[10.0, 10.0], task="code", plain_repeat_tokens_per_s=[10.0, 10.0]),
+            Row("eagle-adaptive", 1, 300, 10.0, requests=4, equal_to_plain=4, equal_to_stock=4,
+                repeat_tokens_per_s=[30.0, 30.0], task="json", plain_repeat_tokens_per_s=[30.0, 30.0])]
+    mixed = {r.system: r for r in speed.mixed_rows(rows, (1,))}
+    assert mixed["entmtp"].plain_repeat_tokens_per_s == [20.0, 20.0]        # stock: 400 tokens over 10 + 10 s
+    assert (mixed["entmtp"].equal_to_stock, mixed["entmtp"].equal_to_plain) == (6, 8)
+    assert paired_ratio(mixed["plain"], mixed["plain-stock"]) == 2.0
+    assert paired_ratio(mixed["entmtp"], mixed["plain-stock"]) == pytest.approx(400 / 15 / 20, abs=1e-3)
+    text = speed.tables(rows + list(mixed.values()), {"processor": "Some CPU (avx2)", "cpus": 2, "commit": "abc1234",
+                                                      "layers": {"eagle-adaptive": "sglang"}})
+    assert text.startswith("Processor: Some CPU (avx2); 2 CPUs; commit abc1234.")
+    assert "Every ratio divides by stock SGLang" in text and "EAGLE and adaptive: SGLang's own linear layers" in text
+    assert "| mixed | plain | 1 | 40.0 | 2.00x | 2.00x |  |  | 7/8 |" in text, text
+    assert "ENTMTP's paired ratio to stock over each system's" in text
+    assert "| mixed | 1 |  | 1.33x (eagle-adaptive) |" in text, text
+
+
+def test_step_profile_reports_each_step_against_the_stock_plain_step_and_the_goals():
+    """With a stock plain step, every step is over it (and over plain with the package); the batch-1 goals are
+    checked against it: the smallest tree at most 1.15x, each 6-node tree at most 1.25x."""
+    prof = load_script("sglang_step_profile")
+
+    def row(tree, nodes, depth, ms):
+        return {"tree": tree, "batch": 1, "nodes": nodes, "depth": depth, "step_ms": ms, "repeats_ms": [ms, ms],
+                "decode_ms": ms - 2, "decode_repeats_ms": [ms - 2, ms - 2]}
+
+    rows = [row("b0n6d1", 6, 1, 52.0), row("plain", 1, 0, 50.0), row("b0n2d1", 2, 1, 44.0),
+            row("plain-stock", 1, 0, 40.0), row("b1n6d2", 6, 2, 49.0)]
+    lines = prof.table(rows, {})
+    assert lines[0].startswith("| batch | step | nodes | depth | ms per step, prefill shared (median) | vs stock plain "
+                               "step (paired) | vs plain step with the package (paired) |")
+    assert [ln.split(" | ")[1] for ln in lines[2:7]] == ["plain-stock", "plain", "b0n2d1", "b0n6d1", "b1n6d2"]
+    assert "| 1 | b0n2d1 | 2 | 1 | 44.0 | 1.10x (1.10x) | 0.88x (0.88x) | 42.0 | 1.11x (1.11x) | 0.88x (0.88x) |" \
+        in lines, lines
+    goal = next(ln for ln in lines if ln.startswith("Goals at batch 1"))
+    assert "the smallest tree (2 nodes), goal at most 1.15x: b0n2d1 1.11x (1.10x): met" in goal, goal
+    assert "6-node trees, goal at most 1.25x: b0n6d1 1.32x (1.30x): NOT met, b1n6d2 1.24x (1.23x): met" in goal, goal
+    # a run from before the stock server: the plain step is the reference, as the committed results show
+    old = prof.table([r for r in rows if r["tree"] != "plain-stock"], {})
+    assert "vs plain step (paired)" in old[0] and "stock" not in old[0] and not any("Goals" in ln for ln in old)

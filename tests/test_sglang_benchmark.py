@@ -1,8 +1,14 @@
 """The SGLang side-by-side benchmark's bookkeeping (entmtp_sglang/bench/sglang_benchmark.py), without servers:
-medians over repeats, ratios to plain, the Markdown table. (The servers themselves are exercised by
-tests/test_sglang_server.py and by `bench/sglang_cpu.py`.)"""
+medians over repeats, ratios to plain or to stock SGLang, the Markdown table; then what a stock SGLang process
+loads of this package, and a stock server beside plain SGLang with the package (real servers, marked sglang).
+(The other servers are exercised by tests/test_sglang_server.py and by `bench/sglang_cpu.py`.)"""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -86,7 +92,7 @@ class _Server:
 
     def post(self, path, payload):
         _Server.seen.append((self.name, frozenset(_Server.up)))
-        ids = [1, 2, 3] if not self.differ else [1, 2, 4]
+        ids = [1, 2, 3] if not self.differ else [1, 2, 4] if self.differ is True else self.differ
         return {"output_ids": ids, "meta_info": {"completion_tokens": 3}}
 
     def stop(self):
@@ -95,8 +101,8 @@ class _Server:
 
 
 class _Spec:
-    def __init__(self, name, speculative=None, differ=False):
-        self.name, self.speculative, self.differ = name, speculative, differ
+    def __init__(self, name, speculative=None, differ=False, stock=False):
+        self.name, self.speculative, self.differ, self.stock = name, speculative, differ, stock
 
     def server(self, log_dir, device_args, *model):
         return _Server(self.name, self.differ)
@@ -143,3 +149,178 @@ def test_the_versus_table_divides_paired_ratios_and_names_the_best():
             row("eagle-s3", [22, 22], [20, 20])]           # 1.1x
     table = b.versus(rows, "entmtp", {"best static EAGLE": ["eagle-s1", "eagle-s3"], "adaptive": ["eagle-adaptive"]})
     assert "| code | 1 | 1.15x (eagle-s1) | 1.25x (eagle-adaptive) |" in table, table
+
+
+def test_the_stock_spec_leaves_the_general_plugin_out_and_the_eagle_stand_ins_keep_sglang_layers(tmp_path):
+    """STOCK starts SGLang with SGLANG_PLUGINS naming only the CPU-ops platform plugin, on torch_native; plain
+    keeps the plugin; `sglang_layers` puts a spec on SGLang's own linear layers without touching the rest."""
+    assert b.STOCK.stock and b.STOCK.speculative is None and b.STOCK.attention == "torch_native"
+    assert not b.PLAIN.stock and not b.ENTMTP.stock and not b.ADAPTIVE.stock
+    assert (b.STOCK.layers, b.PLAIN.layers, b.ENTMTP.layers) == ("sglang", "package", "package")
+    srv = b.STOCK.server(tmp_path, b.FLOAT32)
+    assert srv.env["SGLANG_PLUGINS"] == "entmtp_cpu_ops" and srv.env["SGLANG_USE_CPU_ENGINE"] == "1"
+    assert srv.args[srv.args.index("--attention-backend") + 1] == "torch_native"
+    assert b.PLAIN.server(tmp_path, b.FLOAT32).env.get("SGLANG_PLUGINS") == os.environ.get("SGLANG_PLUGINS")
+    # a whitelist that names the general plugin is not stock
+    assert not b.SystemSpec("x", env=(("SGLANG_PLUGINS", "entmtp_cpu_ops, entmtp"),)).stock
+    adaptive = b.sglang_layers(b.ADAPTIVE)
+    assert adaptive.layers == "sglang" and not adaptive.stock
+    assert dict(adaptive.env) == {"ENTMTP_LINEAR": "torch", "ENTMTP_ONEDNN": "0"}
+    assert (adaptive.name, adaptive.speculative, adaptive.adaptive, adaptive.attention, adaptive.draft_tokens) == \
+        (b.ADAPTIVE.name, "EAGLE", True, "entmtp_torch", b.ADAPTIVE.draft_tokens)
+    env = dict(b.sglang_layers(b.SystemSpec("y", "EAGLE", env=(("ENTMTP_TREE_SET", "f.json"),))).env)
+    assert env["ENTMTP_TREE_SET"] == "f.json" and env["ENTMTP_LINEAR"] == "torch"
+
+
+def test_measure_compares_every_output_with_plain_and_with_stock():
+    """Stock's outputs and plain's (with the package) are kept apart: each speculative system is counted against
+    both, plain against stock and stock against plain."""
+    class Canned:
+        def __init__(self, outputs):
+            self.outputs = outputs
+
+        def post(self, path, payload):
+            ids = self.outputs[payload["text"]]
+            return {"output_ids": ids, "meta_info": {"completion_tokens": len(ids)}}
+
+    payloads = [{"text": t} for t in ("a", "b", "c")]
+    stock_ids = {"a": [1, 2], "b": [3, 4], "c": [5, 6]}
+    plain_ids = {"a": [1, 2], "b": [3, 4], "c": [5, 7]}          # a near-tie rounds the other way on c
+    reference, stock = {}, {}
+    s_row = b.measure(Canned(stock_ids), b.STOCK, payloads, 1, reference, "code", stock)
+    p_row = b.measure(Canned(plain_ids), b.PLAIN, payloads, 1, reference, "code", stock)
+    e_row = b.measure(Canned({**plain_ids, "a": [1, 9]}), b.ENTMTP, payloads, 1, reference, "code", stock)
+    assert stock == {("code", 1): [[1, 2], [3, 4], [5, 6]]} and reference == {("code", 1): [[1, 2], [3, 4], [5, 7]]}
+    assert (s_row.equal_to_plain, s_row.equal_to_stock) == (None, None)    # plain was not measured yet
+    assert (p_row.equal_to_plain, p_row.equal_to_stock) == (None, 2)
+    assert (e_row.equal_to_plain, e_row.equal_to_stock) == (2, 1)
+    again = b.measure(Canned(stock_ids), b.STOCK, payloads, 1, reference, "code", stock)
+    assert (again.equal_to_plain, again.equal_to_stock) == (2, None)
+    # without a stock dict (the older callers), a stock server is compared with plain like any other system
+    assert b.measure(Canned(stock_ids), b.STOCK, payloads, 1, {("code", 1): reference[("code", 1)]}, "code"
+                     ).equal_to_plain == 2
+
+
+def test_with_a_stock_run_every_ratio_divides_by_stock():
+    """Stock 10 tok/s, plain with the package 20, ENTMTP 30: the table says 2.00x and 3.00x (over stock), not 1.50x
+    (over plain), says so in its header, and counts outputs equal to each; the versus table goes through stock."""
+    def row(system, tps, beside=(), eq=None, eq_stock=None):
+        return b.Row(system, 1, int(10 * tps[0]), 10.0, requests=4, repeat_tokens_per_s=list(tps), task="code",
+                     plain_repeat_tokens_per_s=list(beside), equal_to_plain=eq, equal_to_stock=eq_stock)
+
+    rows = [row("plain-stock", [10.0, 10.0], eq=4), row("plain", [20.0, 20.0], [10.0, 10.0], eq_stock=4),
+            row("entmtp", [30.0, 30.0], [10.0, 10.0], eq=4, eq_stock=3),
+            row("eagle-s1", [15.0, 15.0], [10.0, 10.0], eq=2, eq_stock=4)]
+    assert b.baseline_of(rows) == "plain-stock" and b.baseline_of(rows[1:]) == "plain"
+    table = b.to_markdown(rows)
+    assert "| vs stock | vs stock, paired | mean accepted length | greedy = plain | greedy = stock |" in table
+    assert "| code | plain | 1 | 20.0 | 2.00x | 2.00x |  |  | 4/4 |" in table, table
+    assert "| code | entmtp | 1 | 30.0 | 3.00x | 3.00x |  | 4/4 | 3/4 |" in table, table
+    assert "| code | plain-stock | 1 | 10.0 | 1.00x | 1.00x |  | 4/4 |  |" in table, table
+    # a run without stock (older runs, bench/sglang_cpu.py): plain the denominator, no stock column
+    old = b.to_markdown([row("plain", [20.0, 20.0]), row("entmtp", [30.0, 30.0], [20.0, 20.0], eq=4)])
+    assert "| code | entmtp | 1 | 30.0 | 1.50x | 1.50x |  | 4/4 |  |" in old and "greedy = stock" not in old, old
+    assert "| code | 1 | 2.00x (eagle-s1) |" in b.versus(rows, "entmtp", {"static": ["eagle-s1"]})
+
+
+def test_stock_and_plain_stay_up_in_every_wave_and_stock_is_measured_first(tmp_path):
+    """Stock, plain and six systems, four servers at once: three waves with stock and plain in each; in every
+    (task, batch) stock runs first and every other system's paired ratio divides by the stock run of its own wave;
+    outputs are counted against plain's and stock's."""
+    stock, plain = _Spec("plain-stock", stock=True), _Spec("plain", differ=[1, 2, 5])
+    others = [_Spec(f"s{i}", "EAGLE", differ=(i == 5)) for i in range(6)]
+    systems = [stock, plain, *others]
+    assert b.default_baseline(systems) == "plain-stock" and b.default_baseline([plain, *others]) == "plain"
+    plan = b.waves(systems, 4, ("plain-stock", "plain"))
+    assert [[s.name for s in w] for w in plan] == [["plain-stock", "plain", "s0", "s1"],
+                                                   ["plain-stock", "plain", "s2", "s3"],
+                                                   ["plain-stock", "plain", "s4", "s5"]]
+    # by default only the baseline (stock) is in every wave
+    assert [[s.name for s in w] for w in b.waves(systems, 4)][1] == ["plain-stock", "s2", "s3", "s4"]
+    with pytest.raises(ValueError, match="at_once must be >= 3"):
+        b.waves(systems, 2, ("plain-stock", "plain"))
+    with pytest.raises(ValueError, match="not in the run: nope"):
+        b.waves(systems, 4, ("plain-stock", "nope"))
+
+    _Server.up.clear()
+    _Server.seen.clear()
+    work = {"code": ([{"text": "a"}, {"text": "b"}], (1,))}
+    rows = b.run_workloads(systems, work, repeats=2, log_dir=tmp_path, progress=lambda *a: None, at_once=4,
+                           every=("plain-stock", "plain"))
+    assert max(len(up) for _, up in _Server.seen) == 4 and not _Server.up
+    runs = [n for n, _ in _Server.seen][::2]          # one run = two requests, one at a time at batch 1
+    assert [runs[i:i + 2] for i in range(0, len(runs), 4)] == [["plain-stock", "plain"]] * 6  # 3 waves x 2 repeats
+    by = {r.system: r for r in rows}
+    stock_runs = by["plain-stock"].repeat_tokens_per_s
+    assert len(stock_runs) == 6 and len(by["plain"].repeat_tokens_per_s) == 6
+    assert by["plain"].plain_repeat_tokens_per_s == stock_runs                  # beside stock in every wave
+    assert by["s2"].plain_repeat_tokens_per_s == stock_runs[2:4]                # the second wave's stock runs
+    assert by["plain-stock"].plain_repeat_tokens_per_s == []
+    assert (by["plain-stock"].equal_to_plain, by["plain-stock"].equal_to_stock) == (0, None)
+    assert (by["plain"].equal_to_plain, by["plain"].equal_to_stock) == (None, 0)
+    assert (by["s0"].equal_to_plain, by["s0"].equal_to_stock) == (0, 2)
+    with pytest.raises(ValueError, match="baseline 'nope'"):
+        b.run_workloads(systems, work, repeats=1, log_dir=tmp_path, progress=lambda *a: None, baseline="nope")
+
+
+# -- stock SGLang itself -------------------------------------------------------------------------------
+_LOADS = """
+import json, sys
+from sglang.srt.platforms import current_platform   # runs the platform plugins, as every SGLang process does
+from sglang.srt.plugins import load_plugins
+load_plugins()
+from sglang.srt.arg_groups import choices
+from sglang.srt.plugins.hook_registry import HookRegistry
+print(json.dumps({"hooks": sorted(str(k) for k in getattr(HookRegistry, "_hooks", {})),
+                  "entmtp_torch": "entmtp_torch" in choices.ATTENTION_BACKEND_CHOICES,
+                  "stub": bool(getattr(sys.modules.get("sgl_kernel"), "__entmtp_sglang_stub__", False))}))
+"""
+
+
+def _loads(env_of_spec: tuple[tuple[str, str], ...]) -> dict:
+    """What an SGLang process started with a spec's environment loads of this package."""
+    from helpers.testing import import_sglang_or_skip
+
+    import_sglang_or_skip("sglang.srt.plugins")
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    for key in ("SGLANG_PLUGINS", "ENTMTP_LINEAR", "ENTMTP_ONEDNN"):
+        env.pop(key, None)
+    env.update(dict(env_of_spec))
+    out = subprocess.run([sys.executable, "-c", _LOADS], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.sglang
+def test_a_stock_process_loads_only_the_cpu_ops_of_this_package():
+    """SGLANG_PLUGINS=entmtp_cpu_ops (STOCK's environment): no hook of this package and no entmtp_torch backend in
+    SGLang, only the sgl_kernel CPU ops. Plain with the package: every hook, the linear layers' among them (unless
+    the machine's path is F.linear itself). EAGLE's stand-in (`sglang_layers`): entmtp_torch and the other hooks, not
+    the linear layers'. Each in a fresh process: SGLang loads plugins once per process."""
+    from entmtp_sglang.sglang.cpu_linear import LINEAR_APPLY, LM_HEAD
+
+    stock = _loads(b.STOCK.env)
+    assert stock == {"hooks": [], "entmtp_torch": False, "stub": True}
+    full = _loads(b.PLAIN.env)
+    assert full["entmtp_torch"] and full["stub"] and len(full["hooks"]) > 2
+    stand_in = _loads(b.sglang_layers(b.ADAPTIVE).env)
+    assert stand_in["entmtp_torch"] and LINEAR_APPLY not in stand_in["hooks"] and LM_HEAD not in stand_in["hooks"]
+    assert set(stand_in["hooks"]) == set(full["hooks"]) - {LINEAR_APPLY, LM_HEAD}
+
+
+@pytest.mark.sglang
+def test_stock_sglang_serves_beside_plain_sglang_with_the_package(tmp_path):
+    """Real servers of the bundled model: stock SGLang (the baseline, measured first) and plain SGLang with the
+    package through `run_workloads`; both serve, every ratio divides by stock, and their greedy outputs are
+    compared (equal here: float32, short outputs)."""
+    from helpers.testing import import_sglang_or_skip
+
+    import_sglang_or_skip()
+    payloads = [b.generate_payload(p, 6) for p in ("def add(a, b):", "The capital of France is")]
+    rows = b.run_workloads([b.PLAIN, b.STOCK], {"code": (payloads, (1,))}, repeats=1, log_dir=tmp_path,
+                           progress=lambda *a: None)
+    by = {r.system: r for r in rows}
+    assert by["plain-stock"].tokens > 0 and by["plain"].tokens > 0
+    assert by["plain"].plain_repeat_tokens_per_s == by["plain-stock"].repeat_tokens_per_s
+    assert by["plain"].equal_to_stock == 2 and by["plain-stock"].equal_to_plain is None   # stock ran first
+    assert "vs stock" in b.to_markdown(rows)

@@ -19,6 +19,14 @@ outputs (in --out):
   bench_<name>_speedup.png, _entropy_trace.png, _accepted_vs_entropy.png
   <name> is quick, full, or custom when --tasks/--systems/--batch-sizes change the defaults; --engines
   adds the engines to the name (bench_quick_sglang.md)
+  --quick also runs its side-by-side on SmolLM2 (below): its tables are appended to bench_quick.md, its
+  JSON lines go to bench_quick_side_by_side.jsonl
+side by side:
+  every report names the processor (model name and AVX2/AVX-512/AMX flags) and, where two engines ran, puts
+  every system's tokens/s side by side at batch 1 with its ratio to transformers' generate in the same repeat
+  and its outputs compared with each engine's plain decoding. --quick adds a run on SmolLM2 at batch 1 (the
+  reference engine's plain and entmtp-hydra, transformers' greedy and prompt lookup; code, chat, JSON and the
+  mixed session, 16 new tokens): a reference engine slower than transformers shows there
 engines:
   reference     this package's pure-torch engine: plain, static/EAGLE-2/adaptive/EntMTP/oracle trees
   transformers  the outside peer: transformers greedy and prompt-lookup assisted generation (batch 1)
@@ -26,7 +34,8 @@ engines:
                 started once per run, stopped at the end (also on errors and Ctrl-C); skipped with a
                 message when SGLang is not installed (make sglang)
 examples:
-  entmtp bench --quick                               # < 10 minutes on 2 CPU cores (reference + transformers)
+  entmtp bench --quick                               # about 10 minutes on 2 CPU cores (reference + transformers,
+                                                     # then the side-by-side on SmolLM2)
   entmtp bench --quick --engines sglang              # the SGLang systems alone, quick settings
   entmtp bench                                       # the full run, all three engines (README: duration)
   entmtp bench --tasks code,json --systems plain,static-hydra,entmtp-hydra --batch-sizes 1,8
@@ -63,7 +72,7 @@ def add_parser(sub) -> None:
                         "systems plus plain and transformers, 2 streams per task at batch 1, 16 new tokens, "
                         "prompts cut to 256 tokens, 2 repeats, the oracle at batch 1 only; the SGLang engine is "
                         "off (add --engines sglang to run its systems alone with these settings); explicit "
-                        "options still override")
+                        "options still override; then the side-by-side on SmolLM2 at batch 1 (--side-by-side)")
     p.add_argument("--tasks", type=_csv(str), default=None,
                    help=f"comma-separated tasks (default: all: {','.join(TASKS)})")
     p.add_argument("--systems", type=_csv(str), default=None,
@@ -92,6 +101,10 @@ def add_parser(sub) -> None:
                    help="smollm2 (default: SmolLM2-135M-Instruct, prepared on first use; with --quick the bundled "
                         "entmtp-tiny, which keeps the quick run under 10 minutes), entmtp-tiny (the bundled 6M "
                         "model), or a model directory with drafters and shipped tree sets")
+    p.add_argument("--side-by-side", default=None, metavar="MODEL",
+                   help="with --quick: the model of the side-by-side run at batch 1 against transformers (default: "
+                        "smollm2; none: skip it; skipped anyway when --model is that model, or --engines names "
+                        "neither reference nor transformers)")
     p.add_argument("--out", type=Path, default=Path("bench/results"),
                    help="directory for the JSON lines, Markdown and PNGs (default: bench/results)")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
@@ -127,8 +140,22 @@ def config_from_args(args):
     return BenchConfig(**kw)
 
 
+def side_by_side_from_args(args, cfg):
+    """The side-by-side run --quick adds (a BenchConfig), or None: not --quick, `--side-by-side none`, the quick run
+    is already on that model, or its engines leave out both the reference engine and transformers."""
+    from .config import SIDE_BY_SIDE_MODEL, side_by_side_config
+
+    model = getattr(args, "side_by_side", None) or SIDE_BY_SIDE_MODEL
+    if not args.quick or model.lower() == "none":
+        return None
+    main_model = args.model or "entmtp-tiny"
+    if main_model == model or (cfg.engines is not None and not {"reference", "transformers"} & set(cfg.engines)):
+        return None
+    return side_by_side_config(model, cfg.threads)
+
+
 def main(args) -> int:
-    from .report import write_all
+    from .report import markdown, write_all, write_jsonl
     from .runner import run_bench
     from .systems import registry
 
@@ -138,6 +165,7 @@ def main(args) -> int:
         return 0
     try:
         cfg = config_from_args(args)
+        side = side_by_side_from_args(args, cfg)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -150,13 +178,21 @@ def main(args) -> int:
     t0 = time.perf_counter()
     try:
         result = run_bench(cfg)
+        files = write_all(result, args.out, plots=not args.no_plots)
+        if side is not None:
+            t1 = time.perf_counter()
+            print(f"bench {cfg.name}: {t1 - t0:.0f} s; now its side-by-side on {side.model_dir} at batch 1")
+            extra = run_bench(side)
+            files["side_by_side"] = args.out / f"bench_{side.name}.jsonl"
+            write_jsonl(extra, files["side_by_side"])
+            files["md"].write_text(files["md"].read_text() + "\n" + markdown(extra))
+            print(f"bench {side.name}: {time.perf_counter() - t1:.0f} s")
     except KeyboardInterrupt:
         print("interrupted; every server the run started has been stopped", file=sys.stderr)
         return 130
     finally:
         signal.signal(signal.SIGTERM, previous)
-    files = write_all(result, args.out, plots=not args.no_plots)
     print(files["md"].read_text())
     print(f"wrote {', '.join(str(p) for p in files.values())}")
-    print(f"bench {cfg.name}: {time.perf_counter() - t0:.0f} s")
+    print(f"bench {cfg.name}{' with its side-by-side' if side else ''}: {time.perf_counter() - t0:.0f} s")
     return 0

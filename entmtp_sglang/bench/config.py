@@ -76,3 +76,23 @@ QUICK = dict(repeats=2, max_new_tokens=16, prompts=2, batch_sizes=(1, 32), cost_
              oracle_max_batch=1, max_prompt_tokens=256, engines=("reference", "transformers"),
              systems=("plain", "static-hydra", "eagle2-hydra", "adaptive-hydra", "entmtp-hydra", "oracle-hydra",
                       "hf-greedy", "hf-prompt-lookup") + SGLANG_SYSTEMS)
+
+
+# --quick's side-by-side (issue 39), run after the quick run itself: on SmolLM2 (a real model, where the linear
+# layers' speed on the processor at hand decides the reference engine's pace), at batch 1, the reference engine's
+# plain decoding and EntMTP beside transformers' generate, plain and with prompt lookup, every output compared
+# across engines. A regression of the reference engine against transformers (a slower linear path on one kind of
+# processor) shows in the next quick run. Code, chat and JSON prompts and the mixed session (three turns), 2 streams
+# each, 16 new tokens, 2 repeats, one torch thread as the quick run: 12 requests per system and repeat (SmolLM2 is
+# prepared on first use, `entmtp model prepare smollm2`; bench/README.md gives the time it took).
+SIDE_BY_SIDE_MODEL = "smollm2"
+SIDE_BY_SIDE = dict(tasks=("code", "chat", "json", "mixed"), systems=("plain", "entmtp-hydra", "hf-greedy",
+                                                                       "hf-prompt-lookup"),
+                    engines=("reference", "transformers"), batch_sizes=(1,), repeats=2, max_new_tokens=16, prompts=2,
+                    cost_steps=3, oracle_max_batch=1, max_prompt_tokens=256, name="quick_side_by_side")
+
+
+def side_by_side_config(model: str = SIDE_BY_SIDE_MODEL, threads: int | None = None) -> BenchConfig:
+    """The side-by-side run of `--quick` on `model` (default SmolLM2)."""
+    return BenchConfig(**SIDE_BY_SIDE, model_dir=None if model == "entmtp-tiny" else model,
+                       **({} if threads is None else {"threads": threads}))

@@ -36,7 +36,9 @@ def markdown(result: BenchResult) -> str:
     m = meta["machine"]
     load = m.get("load_avg")
     load = f", load average {load[0]:.1f} at start" if load else ""
-    out.append(f"Machine: {m.get('cpu', m['machine'])}, {m['cpu_count']} CPUs{load}, torch {m['torch']} with "
+    cpu = m.get("processor") or m.get("cpu") or m["machine"]
+    model = cfg.model_dir or "the bundled entmtp-tiny"
+    out.append(f"Model: {model}. Processor: {cpu}, {m['cpu_count']} CPUs{load}, torch {m['torch']} with "
                f"{m['torch_threads']} threads. Greedy; held-out (test) prompts; {cfg.max_new_tokens} new tokens "
                f"per request; {cfg.prompts} streams per task at batch 1 (max(prompts, b) at batch b); median of "
                f"{cfg.repeats} interleaved repeats.")
@@ -50,6 +52,7 @@ def markdown(result: BenchResult) -> str:
                    "measurement.")
     out.append("")
     engines = list(dict.fromkeys(info["engine"] for info in meta["systems"].values()))
+    out += side_by_side(result)
     out += overall_table(result)
     for b in cfg.batch_sizes:
         for engine in engines:  # one table per engine: ratios are within an engine only
@@ -86,6 +89,58 @@ def markdown(result: BenchResult) -> str:
         out.append("Every speculative system's outputs equal its baseline's, token for token, on every request.")
     out.append("")
     return "\n".join(out)
+
+
+PEER = "hf-greedy"   # transformers' generate: the outside reference the side-by-side divides by
+
+
+def _paired(a: list[float], b: list[float]) -> float | None:
+    """Median over repeats of a / b within each repeat; None without the same repeats on both sides."""
+    if not a or len(a) != len(b) or not all(b):
+        return None
+    import statistics
+
+    return statistics.median(x / y for x, y in zip(a, b))
+
+
+def side_by_side(result: BenchResult) -> list[str]:
+    """At the smallest batch size, every system of every engine side by side on tokens/s: each task's, all tasks',
+    the ratio to transformers' greedy `generate` in the same repeat (across engines, unlike the tables below), and
+    how many outputs equal each engine's plain decoding token for token. Empty unless two engines ran."""
+    b = min(result.config.batch_sizes)
+    idx = _rows(result)
+    meta = result.meta
+    names = [s for s in meta["systems"] if (s, b) not in result.skipped and (OVERALL, s, b) in idx]
+    if len({meta["systems"][s]["engine"] for s in names}) < 2:
+        return []
+    tasks = list(result.config.tasks)
+    refs = list(dict.fromkeys(meta["systems"][s]["baseline"] for s in names))
+    peer = idx.get((OVERALL, PEER, b))
+    model = result.config.model_dir or "the bundled entmtp-tiny"
+    out = [f"### Side by side at batch {b} on {model}: tokens/s across engines", "",
+           "| system | engine | " + " | ".join(tasks) + " | all tasks | vs `" + PEER + "` (same repeat) | "
+           + " | ".join(f"outputs = `{r}`" for r in refs) + " |",
+           "|---|---|" + "---|" * (len(tasks) + 2 + len(refs))]
+    for s in names:
+        row = idx[(OVERALL, s, b)]
+        cells = [f"{idx[(t, s, b)]['tokens_per_s']:.1f}" if (t, s, b) in idx else "-" for t in tasks]
+        ratio = _paired(row["repeats_tokens_per_s"], peer["repeats_tokens_per_s"]) if peer else None
+        eq = [(row.get("equal_to") or {}).get(r) for r in refs]
+        out.append(f"| {s} | {meta['systems'][s]['engine']} | " + " | ".join(cells)
+                   + f" | {row['tokens_per_s']:.1f} | {'-' if ratio is None else f'{ratio:.2f}x'} | "
+                   + " | ".join("-" if e is None else f"{e[0]}/{e[1]}" for e in eq) + " |")
+    out.append("")
+    plain, ent = idx.get((OVERALL, "plain", b)), [s for s in names if s.startswith("entmtp")]
+    if peer and plain:
+        ratio = _paired(plain["repeats_tokens_per_s"], peer["repeats_tokens_per_s"])
+        line = (f"The reference engine's plain decoding runs at {ratio:.2f}x transformers' greedy generate on this "
+                "processor" if ratio is not None else "")
+        if ent and ratio is not None:
+            e = _paired(idx[(OVERALL, ent[0], b)]["repeats_tokens_per_s"], peer["repeats_tokens_per_s"])
+            line += f", {ent[0]} at {e:.2f}x" if e is not None else ""
+        if line:
+            out += [line + " (all tasks, median over repeats of the ratio within a repeat).", ""]
+    return out
 
 
 def overall_table(result: BenchResult) -> list[str]:

@@ -63,12 +63,10 @@ def machine_info() -> dict:
     info = {"platform": platform.platform(), "machine": platform.machine(), "python": platform.python_version(),
             "torch": torch.__version__, "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
             "cuda": torch.cuda.is_available()}
-    try:
-        with open("/proc/cpuinfo") as f:
-            model = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-        info["cpu"] = model
-    except OSError:
-        pass
+    from .processor import describe, processor_info
+
+    info.update(processor_info())   # "cpu" (model name) and "cpu_flags" (AVX2, AVX-512, AMX, ...)
+    info["processor"] = describe(info)
     try:
         info["load_avg"] = os.getloadavg()
     except OSError:
@@ -211,6 +209,7 @@ def summarise(result: BenchResult, systems: dict[str, System], work: dict[str, T
     by: dict[tuple, dict[int, Measurement]] = {}
     for m in result.measurements:
         by.setdefault((m.task, m.system, m.batch_size), {})[m.repeat] = m
+    references = list(dict.fromkeys(s.baseline for s in systems.values()))   # every engine's plain decoding
     rows = []
     for b in cfg.batch_sizes:
         for name, system in systems.items():
@@ -242,6 +241,7 @@ def summarise(result: BenchResult, systems: dict[str, System], work: dict[str, T
                        "repeats_tokens_per_s": [round(tps[r], 2) for r in sorted(tps)],
                        "repeats_speedup": [round(x, 4) for x in ratios], **_stats(last),
                        "lossless": _lossless(last, base_reps.get(max(reps), [])),
+                       "equal_to": _equal_to(last, by, task, b, cfg.tasks, references),
                        "streams": len(work[task]) if task in work else sum(
                            len(work[t].head(cfg.streams_at(b))) for t in cfg.tasks),
                        "max_new_tokens": cfg.max_new_tokens}
@@ -250,6 +250,28 @@ def summarise(result: BenchResult, systems: dict[str, System], work: dict[str, T
                     row["unique_prompts"] = len({s.source_ids for s in work[task].streams[:row["streams"]]})
                 rows.append(row)
     return rows
+
+
+def _equal_to(ms: list[Measurement], by: dict, task: str, batch: int, tasks: tuple[str, ...],
+              references: list[str]) -> dict[str, list[int]]:
+    """For every engine's plain decoding (`references`) measured at this batch size, [outputs equal to its outputs
+    token for token, outputs compared] (its last repeat; all tasks for the overall row): outputs are compared across
+    engines too (the same prompt token ids), not only with the system's own baseline."""
+    out = {}
+    for ref in references:
+        if ms and all(m.system == ref for m in ms):
+            continue
+        base = []
+        for t in (tasks if task == OVERALL else (task,)):
+            reps = by.get((t, ref, batch), {})
+            if reps:
+                base.append(reps[max(reps)])
+        want = {(m.task, o.stream, o.segment): o.output_ids for m in base for o in m.outcomes}
+        pairs = [(o.output_ids, want.get((m.task, o.stream, o.segment))) for m in ms for o in m.outcomes]
+        pairs = [(a, w) for a, w in pairs if w is not None]
+        if pairs:
+            out[ref] = [sum(a == w for a, w in pairs), len(pairs)]
+    return out
 
 
 def _lossless(ms: list[Measurement], base: list[Measurement]) -> float | None:

@@ -14,6 +14,20 @@ The pieces are shared with `entmtp bench` (entmtp_sglang/bench/sglang_systems.py
 server configurations as systems of its harness, on its task streams: `SystemSpec` (a server
 configuration), `ServerPool` (start all, stop all, always), `concurrent_generate` (b requests in flight
 over HTTP) and `spec_counts` (steps, accepted drafts, verified tokens and trees from a response).
+
+Stock SGLang. Installing this package installs two SGLang plugins: `entmtp` (the general plugin: ENTMTP, the
+`entmtp_torch` attention backend and hooks, among them the CPU linear layers of `sglang/cpu_linear.py`, in every
+SGLang process, plain servers too) and `entmtp_cpu_ops` (a platform plugin that only supplies the eight
+`sgl_kernel` CPU ops SGLang 0.5.23 imports on its CPU path: without them SGLang does not start on a CPU at all,
+`ModuleNotFoundError: No module named 'sgl_kernel'`, since PyPI ships sgl-kernel for CUDA only). SGLang's
+`SGLANG_PLUGINS` whitelist (sglang/srt/plugins/__init__.py, applied to both entry-point groups) lets a process skip
+a plugin, so `STOCK` runs with `SGLANG_PLUGINS=entmtp_cpu_ops`: SGLang's own layers, attention (`torch_native`),
+scheduler and sampling, no hook at all; only those bookkeeping ops (KV-slot and draft-slot scatters, no
+arithmetic on activations) are ours. SGLang's EAGLE and `--speculative-adaptive` cannot run that way on a CPU:
+`torch_native` refuses EAGLE ("EAGLE is not supported in attention backend torch_native") and `intel_amx`, SGLang's
+only CPU backend with a draft path, needs a CPU build of sgl-kernel (SGLang falls back to `torch_native` without
+it, even on an AMX processor). `sglang_layers(spec)` gives their closest stock form: the plugin loaded for its
+attention backend and CPU ops, SGLang's own linear layers (`SGLANG_LAYERS_ENV`).
 """
 
 from __future__ import annotations
@@ -33,6 +47,11 @@ from ..calibrate.server import ServerError, SGLangServer
 from ..tasks import load_prompts
 
 FLOAT32 = ("--dtype", "float32")  # float32 keeps near-tied argmaxes from flipping between batch shapes
+STOCK_PLUGINS = "entmtp_cpu_ops"   # SGLANG_PLUGINS for stock SGLang: the sgl_kernel CPU ops only (module docstring)
+STOCK_ENV = (("SGLANG_PLUGINS", STOCK_PLUGINS),)
+# SGLang's own CPU linear layers in a process that loads the plugin: sglang/cpu_linear.py hooks nothing when the
+# machine's linear path is F.linear; ENTMTP_LINEAR=torch asks for it, ENTMTP_ONEDNN=0 is its older spelling
+SGLANG_LAYERS_ENV = (("ENTMTP_LINEAR", "torch"), ("ENTMTP_ONEDNN", "0"))
 
 
 @dataclass(frozen=True)
@@ -57,12 +76,27 @@ class SystemSpec:
                                 extra=device_args + self.args)
 
     @property
+    def stock(self) -> bool:
+        """SGLang without this package's general plugin (`SGLANG_PLUGINS` leaves `entmtp` out): stock SGLang."""
+        plugins = dict(self.env).get("SGLANG_PLUGINS")
+        return plugins is not None and "entmtp" not in {p.strip() for p in plugins.split(",")}
+
+    @property
+    def layers(self) -> str:
+        """Whose CPU linear layers the server runs: "sglang" (stock, or the plugin told to keep SGLang's) or
+        "package" (the plugin's, `sglang/cpu_linear.py`)."""
+        env = dict(self.env)
+        return ("sglang" if self.stock or env.get("ENTMTP_LINEAR") == "torch" or env.get("ENTMTP_ONEDNN") == "0"
+                else "package")
+
+    @property
     def static_tree_nodes(self) -> int | None:
         """Tokens the target verifies per step when the tree is fixed (EAGLE static); None otherwise."""
         return self.draft_tokens if self.speculative == "EAGLE" and not self.adaptive else None
 
 
-PLAIN = SystemSpec("plain", None, attention="torch_native")
+PLAIN = SystemSpec("plain", None, attention="torch_native")   # plain SGLang with this package installed
+STOCK = SystemSpec("plain-stock", None, attention="torch_native", env=STOCK_ENV)   # stock SGLang (module docstring)
 EAGLE_GRID = (SystemSpec("eagle-s1-k1-n2", "EAGLE", 1, 1, 2),
               SystemSpec("eagle-s2-k1-n3", "EAGLE", 2, 1, 3),
               SystemSpec("eagle-s3-k1-n4", "EAGLE", 3, 1, 4),
@@ -70,6 +104,15 @@ EAGLE_GRID = (SystemSpec("eagle-s1-k1-n2", "EAGLE", 1, 1, 2),
 ADAPTIVE = SystemSpec("eagle-adaptive", "EAGLE", 3, 1, 4, adaptive=True)
 ENTMTP = SystemSpec("entmtp", "ENTMTP")
 DEFAULT_SYSTEMS = (PLAIN, *EAGLE_GRID, ADAPTIVE, ENTMTP)
+
+
+def sglang_layers(spec: SystemSpec) -> SystemSpec:
+    """`spec` on SGLang's own CPU linear layers: the closest to stock SGLang that EAGLE and `--speculative-adaptive`
+    come on a CPU (they need the plugin's `entmtp_torch` attention; see the module docstring)."""
+    env = dict(spec.env)
+    env.update(SGLANG_LAYERS_ENV)
+    return SystemSpec(spec.name, spec.speculative, spec.steps, spec.topk, spec.draft_tokens, spec.adaptive,
+                      spec.attention, tuple(env.items()), spec.args)
 
 
 class ServerPool:
@@ -219,12 +262,14 @@ class Row:
     seconds: float
     accept_lengths: list[float] = field(default_factory=list)
     trees: collections.Counter = field(default_factory=collections.Counter)
-    equal_to_plain: int | None = None
+    equal_to_plain: int | None = None   # outputs equal to plain SGLang's with this package (the same layers)
     requests: int = 0
     repeat_tokens_per_s: list[float] = field(default_factory=list)
     task: str = ""
-    # plain decoding's tokens/s measured beside each repeat (same wave, same repeat); empty: plain's own repeats
+    # the baseline's tokens/s measured beside each repeat (same wave, same repeat; the baseline is stock SGLang
+    # when the run has it, else plain decoding); empty: the baseline's own repeats
     plain_repeat_tokens_per_s: list[float] = field(default_factory=list)
+    equal_to_stock: int | None = None   # outputs equal to stock SGLang's (STOCK); None: no stock run to compare
 
     @property
     def tokens_per_s(self) -> float:
@@ -255,41 +300,65 @@ def run(systems=DEFAULT_SYSTEMS, batches=(1, 8), per_task: int = 3, max_new: int
                          model, starts_at_once, at_once)
 
 
-def waves(systems, at_once: int | None) -> list[list]:
-    """The order servers come up in when no more than `at_once` fit in memory together: the first system without
-    speculation (plain decoding, every ratio's reference) in every wave, the others `at_once - 1` at a time, in the
-    order given. One wave holding everything when they all fit (`at_once` None or large enough)."""
+def default_baseline(systems) -> str | None:
+    """The system every ratio divides by: stock SGLang when the run has it, else the first system without
+    speculation (plain decoding); None when there is none."""
+    systems = list(systems)
+    ref = (next((s for s in systems if s.speculative is None and getattr(s, "stock", False)), None)
+           or next((s for s in systems if s.speculative is None), None))
+    return ref.name if ref is not None else None
+
+
+def waves(systems, at_once: int | None, every: tuple[str, ...] | None = None) -> list[list]:
+    """The order servers come up in when no more than `at_once` fit in memory together: the systems named in
+    `every` (default: the baseline, `default_baseline`) in every wave, the others `at_once - len(every)` at a time,
+    in the order given. One wave holding everything when they all fit (`at_once` None or large enough)."""
     systems = list(systems)
     if at_once is None or len(systems) <= at_once:
         return [systems]
-    if at_once < 2:
-        raise ValueError(f"at_once must be >= 2 (plain decoding and one system under test), got {at_once}")
-    ref = next((s for s in systems if s.speculative is None), None)
-    if ref is None:
-        raise ValueError("more systems than fit at once, and none without speculation to pair each wave with")
-    rest = [s for s in systems if s is not ref]
-    k = at_once - 1
-    return [[ref, *rest[i:i + k]] for i in range(0, len(rest), k)]
+    if every is None:
+        base = default_baseline(systems)
+        if base is None:
+            raise ValueError("more systems than fit at once, and none without speculation to pair each wave with")
+        every = (base,)
+    fixed = [s for s in systems if s.name in every]
+    if len(fixed) != len(set(every)):
+        missing = sorted(set(every) - {s.name for s in fixed})
+        raise ValueError(f"systems to run in every wave are not in the run: {', '.join(missing)}")
+    if at_once <= len(fixed):
+        raise ValueError(f"at_once must be >= {len(fixed) + 1} ({', '.join(s.name for s in fixed)} in every wave and "
+                         f"one system under test), got {at_once}")
+    rest = [s for s in systems if s.name not in every]
+    k = at_once - len(fixed)
+    return [[*fixed, *rest[i:i + k]] for i in range(0, len(rest), k)]
 
 
 def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...]]], repeats: int = 3,
                   log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
                   on_repeat=None, model: Path | None = None, starts_at_once: int | None = None,
-                  at_once: int | None = None) -> list[Row]:
+                  at_once: int | None = None, baseline: str | None = None,
+                  every: tuple[str, ...] | None = None) -> list[Row]:
     """`run` over named workloads: task -> (/generate payloads, batch sizes). For each repeat, each task, each
-    batch size, each system in turn; every speculative output is compared with the first system without
-    speculation (plain decoding) on the same payloads.
+    batch size, each system in turn, the baseline first; every output is compared with plain decoding's with this
+    package (`equal_to_plain`) and with stock SGLang's (`equal_to_stock`) on the same payloads, where the run has
+    them.
 
-    `at_once`: the most servers up together (memory). With more systems than that they run in `waves`: plain
-    decoding stays up and is measured again in every wave, and each system's paired ratio divides by plain's
-    tokens/s in the same wave and repeat. `on_repeat(rows, done)` after each repeat of each wave (`done`: repeats
-    finished over all waves)."""
+    `baseline`: the system every paired ratio divides by (default `default_baseline`: stock SGLang when the run has
+    it, else plain decoding). `at_once`: the most servers up together (memory). With more systems than that they run
+    in `waves`: the baseline (and the others named in `every`) stays up and is measured again in every wave, and
+    each system's paired ratio divides by the baseline's tokens/s in the same wave and repeat. `on_repeat(rows,
+    done)` after each repeat of each wave (`done`: repeats finished over all waves)."""
+    systems = list(systems)
+    baseline = baseline or default_baseline(systems)
+    if baseline is not None and baseline not in {s.name for s in systems}:
+        raise ValueError(f"the baseline {baseline!r} is not one of the systems run")
     pool = ServerPool(log_dir, ("--dtype", dtype), progress, model=model, starts_at_once=starts_at_once)
     keys = [(task, b) for task, (_, batches) in workloads.items() for b in batches]
     runs: dict[tuple[str, str, int], list[Row]] = collections.defaultdict(list)
     partners: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
     reference: dict[tuple[str, int], list] = {}
-    plan = waves(systems, at_once)
+    stock: dict[tuple[str, int], list] = {}
+    plan = waves(systems, at_once, every or ((baseline,) if baseline else None))
     try:
         for w, wave in enumerate(plan):
             for name in [n for n in pool.specs if n not in {s.name for s in wave}]:
@@ -299,18 +368,20 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
             pool.start()
             if len(plan) > 1:
                 progress(f"wave {w + 1}/{len(plan)}: {', '.join(s.name for s in wave)}")
+            order = sorted(wave, key=lambda s: s.name != baseline)   # the baseline first, the others as given
             for rep in range(repeats):
                 for task, b in keys:
-                    plain_tps = None
-                    for spec in wave:
-                        row = measure(pool[spec.name], spec, workloads[task][0], b, reference, task)
+                    base_tps = None
+                    for spec in order:
+                        row = measure(pool[spec.name], spec, workloads[task][0], b, reference, task, stock)
                         runs[(spec.name, task, b)].append(row)
-                        if spec.speculative is None and plain_tps is None:
-                            plain_tps = row.tokens_per_s
-                        elif plain_tps is not None:
-                            partners[(spec.name, task, b)].append(round(plain_tps, 2))
+                        if spec.name == baseline:
+                            base_tps = row.tokens_per_s
+                        elif base_tps is not None:
+                            partners[(spec.name, task, b)].append(round(base_tps, 2))
                         progress(f"repeat {rep} {task or 'all'} {spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, "
-                                 f"accept {row.mean_accept or 0:.2f}, equal {row.equal_to_plain}/{row.requests}")
+                                 f"accept {row.mean_accept or 0:.2f}, equal to plain {row.equal_to_plain}, to stock "
+                                 f"{row.equal_to_stock} of {row.requests}")
                 if on_repeat is not None:
                     on_repeat(_medians(runs, systems, keys, partners), w * repeats + rep + 1)
     finally:
@@ -319,10 +390,12 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
 
 
 def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: int,
-            reference: dict[tuple[str, int], list], task: str = "") -> Row:
-    """`payloads` (/generate) through `srv` with `batch` requests in flight: one Row. Plain decoding's outputs
-    (token ids) become `reference[(task, batch)]`; a speculative system's are compared with them
-    (`equal_to_plain`)."""
+            reference: dict[tuple[str, int], list], task: str = "",
+            stock: dict[tuple[str, int], list] | None = None) -> Row:
+    """`payloads` (/generate) through `srv` with `batch` requests in flight: one Row. Plain decoding's outputs with
+    this package (token ids) become `reference[(task, batch)]`, stock SGLang's `stock[(task, batch)]` (the first
+    run of each is kept); every other system's are compared with them (`equal_to_plain`, `equal_to_stock`), and
+    each of the two with the other."""
     outs, secs = concurrent_generate(srv, payloads, batch)
     row = Row(spec.name, batch, sum(o["meta_info"]["completion_tokens"] for o in outs), secs,
               requests=len(outs), task=task)
@@ -332,10 +405,16 @@ def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: in
             row.accept_lengths.append(m["spec_accept_length"])
         row.trees.update(m.get("entmtp_trees", []))
     ids = [o["output_ids"] for o in outs]
-    if spec.speculative is None:
-        reference.setdefault((task, batch), ids)
-    elif (task, batch) in reference:
-        row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[(task, batch)]))
+    key, is_stock = (task, batch), getattr(spec, "stock", False)
+    plain, stock_plain = spec.speculative is None and not is_stock, spec.speculative is None and is_stock
+    if plain:
+        reference.setdefault(key, ids)
+    elif stock_plain and stock is not None:
+        stock.setdefault(key, ids)
+    if key in reference and not plain:
+        row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[key]))
+    if stock is not None and key in stock and not stock_plain:
+        row.equal_to_stock = sum(x == y for x, y in zip(ids, stock[key]))
     return row
 
 
@@ -349,6 +428,8 @@ def _medians(runs, systems, keys, partners=None) -> list[Row]:
             med = sorted(rs, key=lambda r: r.tokens_per_s)[len(rs) // 2]
             eq = [r.equal_to_plain for r in rs if r.equal_to_plain is not None]
             med.equal_to_plain = min(eq) if eq else None
+            eq = [r.equal_to_stock for r in rs if r.equal_to_stock is not None]
+            med.equal_to_stock = min(eq) if eq else None
             med.repeat_tokens_per_s = [round(r.tokens_per_s, 2) for r in rs]
             med.plain_repeat_tokens_per_s = list((partners or {}).get((spec.name, task, b), ()))
             rows.append(med)
@@ -362,46 +443,62 @@ def machine() -> dict:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
         commit = ""
-    return {"machine": platform.machine(), "processor": platform.processor(), "cpus": __import__("os").cpu_count(),
+    from .processor import describe, processor_info
+
+    cpu = processor_info()
+    return {"machine": platform.machine(), "processor": describe(cpu), **cpu, "cpus": __import__("os").cpu_count(),
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "commit": commit}
 
 
 def paired_ratio(row: Row, plain: Row) -> float | None:
-    """The median over repeats of row / plain within each repeat (systems run interleaved, so a repeat's drift of
-    the shared machine hits both); plain's tokens/s beside each repeat when the row carries them (`waves`), else
-    plain's own repeats. None without the same number of repeats on both sides."""
+    """The median over repeats of row / baseline within each repeat (systems run interleaved, so a repeat's drift of
+    the shared machine hits both); the baseline's tokens/s beside each repeat when the row carries them (`waves`),
+    else the baseline row's (`plain`) own repeats. None without the same number of repeats on both sides."""
     a, b = row.repeat_tokens_per_s, row.plain_repeat_tokens_per_s or plain.repeat_tokens_per_s
     if not a or len(a) != len(b) or not all(b):
         return None
     return statistics.median(x / y for x, y in zip(a, b))
 
 
-def to_markdown(rows: list[Row]) -> str:
-    """The table: tokens/s (median over repeats) and its ratio to plain's median, and the paired ratio (median of
-    the per-repeat ratios, `paired_ratio`), which the machine's drift between repeats moves less."""
-    plain = {(r.task, r.batch): r for r in rows if r.system == "plain"}
+def baseline_of(rows: list[Row]) -> str:
+    """The system a run's ratios divide by: stock SGLang (`STOCK`) when the rows have it, else plain decoding."""
+    return STOCK.name if any(r.system == STOCK.name for r in rows) else PLAIN.name
+
+
+def to_markdown(rows: list[Row], baseline: str | None = None) -> str:
+    """The table: tokens/s (median over repeats) and its ratio to the baseline's median (`baseline_of`: stock SGLang
+    when the run has it, else plain decoding), and the paired ratio (median of the per-repeat ratios,
+    `paired_ratio`), which the machine's drift between repeats moves less; then how many outputs equal plain
+    decoding's with this package and, with a stock run, stock SGLang's."""
+    baseline = baseline or baseline_of(rows)
+    label = "stock" if baseline == STOCK.name else baseline
+    base_rows = {(r.task, r.batch): r for r in rows if r.system == baseline}
+    stock = any(r.system == STOCK.name or r.equal_to_stock is not None for r in rows)
     tasks = any(r.task for r in rows)
-    lines = [("| task " if tasks else "") + "| system | batch | tokens/s (median) | vs plain | vs plain, paired "
-             "| mean accepted length | greedy = plain | trees chosen |",
-             ("|---" if tasks else "") + "|---|---|---|---|---|---|---|---|"]
+    lines = [("| task " if tasks else "") + f"| system | batch | tokens/s (median) | vs {label} | vs {label}, paired "
+             "| mean accepted length | greedy = plain |" + (" greedy = stock |" if stock else "") + " trees chosen |",
+             ("|---" if tasks else "") + "|---|---|---|---|---|---|---|---|" + ("---|" if stock else "")]
     for r in rows:
-        base = plain.get((r.task, r.batch))
+        base = base_rows.get((r.task, r.batch))
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base is not None else ""
         paired = paired_ratio(r, base) if base is not None else None
         trees = ", ".join(f"{k} {v}" for k, v in r.trees.most_common(4))
         eq = "" if r.equal_to_plain is None else f"{r.equal_to_plain}/{r.requests}"
+        eq_stock = "" if r.equal_to_stock is None else f"{r.equal_to_stock}/{r.requests}"
         acc = "" if r.mean_accept is None else f"{r.mean_accept:.2f}"
         lines.append((f"| {r.task} " if tasks else "") + f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio} | "
-                     f"{'' if paired is None else f'{paired:.2f}x'} | {acc} | {eq} | {trees} |")
+                     f"{'' if paired is None else f'{paired:.2f}x'} | {acc} | {eq} |"
+                     + (f" {eq_stock} |" if stock else "") + f" {trees} |")
     return "\n".join(lines)
 
 
-def versus(rows: list[Row], subject: str, others: dict[str, list[str]]) -> str:
-    """A table of `subject` against groups of other systems, per task and batch: the subject's paired ratio to
-    plain divided by the best paired ratio of each group (`others`: heading -> system names), which is named. Each
-    paired ratio divides by plain measured beside it, so systems measured in different waves compare through
-    plain."""
-    plain = {(r.task, r.batch): r for r in rows if r.system == "plain"}
+def versus(rows: list[Row], subject: str, others: dict[str, list[str]], baseline: str | None = None) -> str:
+    """A table of `subject` against groups of other systems, per task and batch: the subject's paired ratio to the
+    baseline (`baseline_of`) divided by the best paired ratio of each group (`others`: heading -> system names),
+    which is named. Each paired ratio divides by the baseline measured beside it, so systems measured in different
+    waves compare through the baseline."""
+    baseline = baseline or baseline_of(rows)
+    plain = {(r.task, r.batch): r for r in rows if r.system == baseline}
     by = {(r.system, r.task, r.batch): r for r in rows}
     keys = list(dict.fromkeys((r.task, r.batch) for r in rows if r.system == subject))
     lines = ["| task | batch | " + " | ".join(f"{subject} vs {h}" for h in others) + " |",
@@ -432,7 +529,7 @@ def rows_from_jsonl(path: Path) -> list[Row]:
         acc = [] if d.get("mean_accept_length") is None else [d["mean_accept_length"]]
         out.append(Row(d["system"], d["batch"], d["tokens"], d["seconds"], acc, collections.Counter(d["trees"]),
                        d["equal_to_plain"], d["requests"], list(d.get("repeat_tokens_per_s") or []), d["task"],
-                       list(d.get("plain_repeat_tokens_per_s") or [])))
+                       list(d.get("plain_repeat_tokens_per_s") or []), d.get("equal_to_stock")))
     return out
 
 
@@ -444,7 +541,7 @@ def write(rows: list[Row], out_dir: Path, config: dict, name: str = "sglang_cpu"
             f.write(json.dumps({**meta, "task": r.task, "system": r.system, "batch": r.batch, "tokens": r.tokens,
                                 "seconds": round(r.seconds, 3), "tokens_per_s": round(r.tokens_per_s, 2),
                                 "mean_accept_length": r.mean_accept, "equal_to_plain": r.equal_to_plain,
-                                "requests": r.requests, "trees": dict(r.trees),
+                                "equal_to_stock": r.equal_to_stock, "requests": r.requests, "trees": dict(r.trees),
                                 "repeat_tokens_per_s": r.repeat_tokens_per_s,
                                 "plain_repeat_tokens_per_s": r.plain_repeat_tokens_per_s}) + "\n")
     (out_dir / f"{name}.md").write_text(to_markdown(rows) + "\n")
