@@ -13,8 +13,16 @@ ENTMTP, so other algorithms are untouched):
                      every 40 decode batches; include the interval not yet rolled up, so a lightly loaded
                      server reports a number rather than None;
 * `reserved_tokens_around` (tokenizer manager's context check): SGLang counts `max(topk * num_steps,
-                     num_draft_tokens)` extra input tokens for an EAGLE-like algorithm, so near the context limit
-                     ENTMTP refused requests EAGLE serves. ENTMTP needs less (`entmtp_reserved_tokens`).
+                     num_draft_tokens)` extra input tokens for an EAGLE-like algorithm; ENTMTP counts none, so a
+                     request is admitted exactly when plain SGLang admits it, and a refusal names the user's own
+                     numbers (issue 35);
+* `row_headroom_around` (`get_req_to_token_extra_context_len`, the req_to_token row's length past the context):
+                     what SGLang's decode step allocates past a request's committed tokens lives in the row's
+                     headroom, not in the user's context (`entmtp_row_headroom`).
+
+Room for drafts is the worker's business: each step's tree is capped by the least room before the context limit
+of any request in the batch (`EntMtpWorker._room`, the controller's room cap), down to resting (a plain decode
+step) when no tree fits, so a request near the limit ends as plain decoding ends it.
 """
 
 from __future__ import annotations
@@ -26,9 +34,11 @@ INPUT_LENGTH = "sglang.srt.managers.utils.validate_input_length"
 AVERAGE_ACCEPT = ("sglang.srt.managers.scheduler_components.internal_state."
                   "SchedulerInternalStateController._average_accept_length")
 RESERVED = "sglang.srt.managers.utils.compute_num_reserved_tokens"
+ROW_HEADROOM = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len"
 HOOKED = {
     VALIDATE: ("self", "obj", "input_ids"),
     RESERVED: (),
+    ROW_HEADROOM: (),
     INPUT_LENGTH: ("req", "max_req_input_len", "allow_auto_truncate"),
     AVERAGE_ACCEPT: ("self",),
 }
@@ -120,31 +130,30 @@ def average_accept_around(original, self):
     return (m.spec_total_num_accept_tokens + m.spec_num_accept_tokens) / count if count else None
 
 
-def entmtp_reserved_tokens() -> int:
-    """Input tokens ENTMTP reserves per request near the context limit.
+def entmtp_row_headroom() -> int:
+    """How far past the context a req_to_token row must reach for ENTMTP: SGLang's decode step
+    (`eagle_prepare_for_decode`) extends a request's row to its committed length + `get_alloc_reserve_per_decode()`
+    (twice the largest step's draft footprint, max(topk * depth, nodes) of the largest tree, rounded up to a
+    page). A committed length stays below the context (the scheduler caps every request at context - 2 tokens),
+    so a row that long holds every step's allocation, whatever the tree set. SGLang widens the row this way
+    itself for pages > 1; with pages of 1 it leaves 4 + num_draft_tokens, which a wide set outgrows (SmolLM2's:
+    topk 5 x depth 2, twice over, is 20 > 10), and charging the difference to every request's input was what
+    refused requests plain SGLang serves near the context limit (issue 35)."""
+    from sglang.srt.mem_cache.allocation_sizing import get_alloc_page_size, get_alloc_reserve_per_decode
 
-    The worker caps every step's tree by the request's room before the context limit (`EntMtpWorker._room`,
-    the controller's room cap; chain:0 when nothing fits), so verification and drafting stay inside the
-    context. What is left is SGLang's decode allocation: each step `eagle_prepare_for_decode` extends a
-    request's req_to_token row to committed + `get_alloc_reserve_per_decode()` (twice the largest draft
-    footprint, rounded up to a page), and the row is only `get_req_to_token_extra_context_len()` longer than
-    the context. The tokenizer's check (input + reserve + max_new_tokens <= context) bounds the committed
-    length before a decode step by context - reserve - 1, so the row holds the allocation when
-    reserve >= allocation - extra - 1."""
-    from sglang.srt.mem_cache.allocation_sizing import (
-        get_alloc_page_size,
-        get_alloc_reserve_per_decode,
-        get_req_to_token_extra_context_len,
-    )
-
-    allocation = get_alloc_reserve_per_decode() + get_alloc_page_size() - 1
-    return max(0, allocation - get_req_to_token_extra_context_len() - 1)
+    return get_alloc_reserve_per_decode() + get_alloc_page_size() - 1
 
 
 def reserved_tokens_around(original):
-    """AROUND hook of compute_num_reserved_tokens: never more than SGLang's own reserve."""
-    reserve = original()
-    return min(reserve, entmtp_reserved_tokens()) if is_entmtp() else reserve
+    """AROUND hook of compute_num_reserved_tokens: ENTMTP reserves no input tokens (the row headroom holds what
+    a decode step allocates, and trees shrink to the room left), so admission and its messages are plain's."""
+    return 0 if is_entmtp() else original()
+
+
+def row_headroom_around(original):
+    """AROUND hook of get_req_to_token_extra_context_len: never less than ENTMTP's decode allocation needs."""
+    extra = original()
+    return max(extra, entmtp_row_headroom()) if is_entmtp() else extra
 
 
 def register_hooks(check_signature) -> None:
@@ -156,3 +165,4 @@ def register_hooks(check_signature) -> None:
     HookRegistry.register(INPUT_LENGTH, input_length_around, HookType.AROUND)
     HookRegistry.register(AVERAGE_ACCEPT, average_accept_around, HookType.AROUND)
     HookRegistry.register(RESERVED, reserved_tokens_around, HookType.AROUND)
+    HookRegistry.register(ROW_HEADROOM, row_headroom_around, HookType.AROUND)
