@@ -116,7 +116,9 @@ class FewRowWeight:
 
 
 def pack(weight: torch.Tensor) -> FewRowWeight:
-    """Pack a float32 CPU weight (out_features, in_features) once; call only where `available()`."""
+    """Pack a float32 CPU weight (out_features, in_features) once (building the kernel on first use)."""
+    if not available():
+        raise RuntimeError(f"the few-row linear kernel is unavailable: {unavailable_reason()}")
     return FewRowWeight(torch.ops.entmtp.fewrow_pack(weight.detach()), weight.shape[0])
 
 
