@@ -11,7 +11,7 @@ whatever the number of rows or the tile a row falls in, so a row computed alone 
 computed among others, and the AVX-512, AVX2 and scalar builds agree bit for bit.
 
 The extension is compiled with the machine's C++ compiler against the installed torch (``-O3 -march=native``,
-about 7 s) on first use, or ahead of time by ``entmtp kernels build`` (``make install`` runs it), into
+about 7 s) on first use, or ahead of time by ``entmtp kernels`` (``make install`` runs it), into
 ``$ENTMTP_CACHE/kernels`` (default ``~/.cache/entmtp/kernels``), one build per source, torch version and
 processor. Where it cannot be built, ``available()`` is False, one warning says why, and callers take another
 path (``model/linear.py``).
