@@ -7,8 +7,9 @@ row costs, and greedy speculative output only equals plain decoding bit for bit 
 on how many rows share the call (batch invariance). The paths:
 
 - ``fewrow``: `kernels/fewrow_linear.cpp` (weights packed once, each block streamed once for all rows, each
-  output one fixed chain of FMAs): batch-invariant by construction; on SmolLM2's shapes as fast as `F.linear` at
-  one row (1.04x on the Intel Xeon) and far cheaper at 2-16 (`bench/results/linear_paths.md`). Needs the C++ compiler once (`entmtp kernels`).
+  output one fixed chain of FMAs): batch-invariant by construction; on SmolLM2's shapes about as fast as
+  `F.linear` at one row (1.04x on the Intel Xeon) and far cheaper at 2-16 (`bench/results/linear_paths.md`).
+  Needs the C++ compiler once (`entmtp kernels`).
 - ``onednn``: oneDNN's linear on a weight packed once (`torch.ops.mkldnn._linear_pointwise`), fewer than
   `MIN_ROWS` rows padded to `MIN_ROWS` (oneDNN computes a single row with other rounding): batch-invariant as
   used; fast on some processors (an AMD EPYC), about twice `F.linear`'s cost at one row on others (an Intel Xeon).
