@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import fewrow_linear as fewrow
+from .prepare import cache_root
 
 PATHS = ("fewrow", "onednn", "torch")
 MIN_ROWS = 6   # oneDNN computes a single row apart (a 1536-wide input: other rounding); 6 rows cost what 1 does
@@ -90,13 +91,16 @@ def _onednn_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | N
     return out[:rows].view(*x.shape[:-1], out.shape[-1])
 
 
+_PACK = {"fewrow": fewrow.pack, "onednn": _pack_onednn, "torch": lambda dense: dense}
+_MULTIPLY = {"fewrow": fewrow.fewrow_linear_packed, "onednn": _onednn_linear, "torch": F.linear}
+
+
 def _packer(path: str):
-    return {"fewrow": fewrow.pack, "onednn": _pack_onednn, "torch": lambda dense: dense}[path]
+    return _PACK[path]
 
 
 def _multiply(path: str):
-    return {"fewrow": fewrow.fewrow_linear_packed, "onednn": _onednn_linear,
-            "torch": lambda x, w, b: F.linear(x, w, b)}[path]
+    return _MULTIPLY[path]
 
 
 def _candidates() -> list[str]:
@@ -153,7 +157,7 @@ def measure(paths: list[str], weights: list[torch.Tensor], rows=PROBE_ROWS, repe
 
 
 def _cache_file() -> Path:
-    return Path(os.environ.get("ENTMTP_CACHE", Path.home() / ".cache" / "entmtp")).expanduser() / "linear_path.json"
+    return cache_root() / "linear_path.json"
 
 
 def _machine_key() -> str:
