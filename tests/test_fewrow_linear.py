@@ -88,3 +88,37 @@ def test_bad_input_is_refused_with_a_message():
 def test_the_isa_and_block_width_are_reported():
     assert FR.isa() in ("avx512", "avx2", "scalar")
     assert torch.ops.entmtp.fewrow_block() in (16, 32)
+
+
+@pytest.mark.slow
+def test_the_avx2_and_scalar_builds_agree_bit_for_bit_with_this_one(tmp_path):
+    """Builds the same source for AVX2 and for plain x86-64 (no FMA unit: the compiler's exact fmaf) under their own
+    op namespaces and compares them with the loaded build on SmolLM2's shapes, 1-16 rows, with a bias."""
+    from torch.utils import cpp_extension
+
+    variants = {"avx2": ["-march=native", "-mno-avx512f"], "scalar": ["-march=x86-64", "-mno-avx2", "-mno-fma"]}
+    for name, flags in variants.items():
+        src = tmp_path / f"{name}.cpp"
+        src.write_text(FR.SOURCE.read_text().replace("TORCH_LIBRARY(entmtp", f"TORCH_LIBRARY(entmtp_{name}")
+                       .replace("TORCH_LIBRARY_IMPL(entmtp", f"TORCH_LIBRARY_IMPL(entmtp_{name}"))
+        cpp_extension.load(name=f"entmtp_fewrow_{name}", sources=[str(src)], build_directory=str(tmp_path),
+                           extra_cflags=["-O3", "-fopenmp", *flags], extra_ldflags=["-fopenmp"],
+                           is_python_module=False, verbose=False)
+    ops = [torch.ops.entmtp, torch.ops.entmtp_avx2, torch.ops.entmtp_scalar]
+    if FR.isa() == "avx512":
+        assert [op.fewrow_isa() for op in ops[1:]] == ["avx2", "scalar"]
+    for out_features, in_features in [*SMOLLM2[:6], (8192, 576), (100, 17)]:
+        for rows in (1, 2, 3, 5, 8, 9, 13, 16):
+            x, w, b = _data(out_features, in_features, rows, seed=rows, bias=True)
+            ys = [op.fewrow_linear(x, op.fewrow_pack(w), b, out_features) for op in ops]
+            assert torch.equal(ys[0], ys[1]) and torch.equal(ys[0], ys[2]), (out_features, in_features, rows)
+
+
+def test_each_torch_installation_builds_in_its_own_directory(monkeypatch, tmp_path):
+    """Two environments with the same torch version must not share a build: each would rebuild the library the
+    other has loaded (a fresh clone's venv beside a checkout's did, and the running tests read a half-written one)."""
+    monkeypatch.setenv("ENTMTP_CACHE", str(tmp_path))
+    here = FR.build_dir()
+    assert here.parent == tmp_path / "kernels" and here == FR.build_dir()
+    monkeypatch.setattr(FR.torch, "__file__", str(tmp_path / "other-venv" / "torch" / "__init__.py"))
+    assert FR.build_dir() != here
