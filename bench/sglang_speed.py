@@ -16,8 +16,8 @@ Systems (entmtp_sglang/bench/sglang_benchmark.py says how each is started):
 - SGLang's EAGLE over the static grid (s1-k1-n2, s2-k1-n3, s3-k1-n4, s3-k2-n6) and `--speculative-adaptive`, with the
   same EAGLE drafter and token map. Stock SGLang cannot run them on a CPU (torch_native refuses EAGLE; intel_amx
   needs a CPU build of sgl-kernel), so they run in the closest form: the plugin loaded for its `entmtp_torch`
-  attention and CPU ops, on SGLang's own linear layers (ENTMTP_LINEAR=torch; `--eagle-layers package` puts them on
-  the plugin's layers instead).
+  attention and CPU ops, on SGLang's own layers (ENTMTP_LINEAR=torch, ENTMTP_ROWWISE=0; `--eagle-layers package`
+  puts them on the plugin's layers instead).
 Each SmolLM2 server holds about 4 GiB here, so no more than four are up at once (--at-once): stock and plain in
 every wave, two others beside them, ENTMTP's wave first. A second table gives ENTMTP's paired ratio over the best
 static EAGLE setting's and adaptive's.
@@ -158,12 +158,13 @@ def preface(rows: list[Row], meta: dict | None = None) -> str:
         layers = meta.get("layers") or {}
         eagle = sorted(n for n, v in layers.items() if n.startswith("eagle-"))
         on = {layers[n] for n in eagle}
-        how = ("SGLang's own linear layers, the plugin loaded for its attention backend and CPU ops (stock SGLang "
-               "cannot run EAGLE on a CPU)" if on == {"sglang"} else
-               "this package's linear layers" if on == {"package"} else "")
+        how = ("SGLang's own layers (linear, RMSNorm, SiLU, rotary), the plugin loaded for its attention backend and "
+               "CPU ops (stock SGLang cannot run EAGLE on a CPU)" if on == {"sglang"} else
+               "this package's layers" if on == {"package"} else "")
         lines.append("Every ratio divides by stock SGLang (`plain-stock`: SGLANG_PLUGINS=entmtp_cpu_ops, this "
                      "package's general plugin not loaded), every paired ratio by its run beside in the same wave and "
-                     "repeat. `plain` is plain SGLang with this package installed (its CPU linear layers). "
+                     "repeat. `plain` is plain SGLang with this package installed (its CPU linear layers and "
+                     "row-wise ops). "
                      "greedy = plain / = stock: outputs equal to theirs token for token (the fewest over repeats)."
                      + (f" EAGLE and adaptive: {how}." if how else ""))
     return "\n".join(lines) + ("\n\n" if lines else "")

@@ -33,6 +33,11 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).with_name("fewrow_linear.cpp")
+# one extension: the linear kernel and the row-wise ops of a decoder layer (rowwise_ops.py)
+SOURCES = (SOURCE, Path(__file__).with_name("rowwise_ops.cpp"))
+# -ffp-contract=off: no multiply-add fused where the source does not say so (the element-wise ops then round as
+# torch's do, and every vector width agrees); the linear kernel's FMAs are explicit
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffp-contract=off")
 log = logging.getLogger("entmtp_sglang.kernels")
 
 
@@ -52,9 +57,13 @@ def _cpu_key() -> str:
 
 
 def build_dir() -> Path:
-    """Where this source, torch version and processor's build lives."""
+    """Where this source, flags, torch installation and processor's build lives. The torch installation's path is
+    part of the key: two environments with the same torch version (a checkout's venv and a fresh clone's) compile
+    against different include paths, and sharing one directory made each rebuild the library the other had loaded."""
     root = Path(os.environ.get("ENTMTP_CACHE", Path.home() / ".cache" / "entmtp")).expanduser()
-    key = hashlib.sha256(SOURCE.read_bytes() + torch.__version__.encode() + _cpu_key().encode()).hexdigest()[:16]
+    text = b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()
+    where = f"{torch.__version__}|{Path(torch.__file__).resolve().parent}".encode()
+    key = hashlib.sha256(text + where + _cpu_key().encode()).hexdigest()[:16]
     return root / "kernels" / f"fewrow-{key}"
 
 
@@ -78,8 +87,8 @@ def _load() -> str | None:
         out = build_dir()
         out.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(
-            name="entmtp_fewrow", sources=[str(SOURCE)], build_directory=str(out), is_python_module=False,
-            extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"], verbose=False)
+            name="entmtp_fewrow", sources=[str(p) for p in SOURCES], build_directory=str(out),
+            is_python_module=False, extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"], verbose=False)
         torch.ops.entmtp.fewrow_isa()
     except Exception as e:  # no compiler, no headers, a read-only cache, ...
         reason = f"{type(e).__name__}: {str(e).strip().splitlines()[-1] if str(e).strip() else ''}"

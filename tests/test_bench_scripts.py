@@ -262,7 +262,7 @@ def test_the_mixed_stream_and_the_tables_divide_by_stock_when_the_run_has_it():
     text = speed.tables(rows + list(mixed.values()), {"processor": "Some CPU (avx2)", "cpus": 2, "commit": "abc1234",
                                                       "layers": {"eagle-adaptive": "sglang"}})
     assert text.startswith("Processor: Some CPU (avx2); 2 CPUs; commit abc1234.")
-    assert "Every ratio divides by stock SGLang" in text and "EAGLE and adaptive: SGLang's own linear layers" in text
+    assert "Every ratio divides by stock SGLang" in text and "EAGLE and adaptive: SGLang's own layers" in text
     assert "| mixed | plain | 1 | 40.0 | 2.00x | 2.00x |  |  | 7/8 |" in text, text
     assert "ENTMTP's paired ratio to stock over each system's" in text
     assert "| mixed | 1 |  | 1.33x (eagle-adaptive) |" in text, text

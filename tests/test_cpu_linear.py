@@ -76,3 +76,30 @@ def test_nothing_is_hooked_where_the_machines_choice_is_f_linear(monkeypatch):
     checked = []
     cpu_linear.register_hooks(lambda dotted, params: checked.append(dotted))
     assert checked == []  # returned before checking or registering anything
+
+
+@pytest.mark.skipif(not FR.available(), reason="kernel not built")
+def test_the_fast_path_follows_the_weight_and_the_input(monkeypatch):
+    """After the first call a layer keeps its packed weight for a cheap check per call; replacing the weight or
+    changing it in place repacks, 3-d inputs keep their shape, and inputs the kernel does not take go to SGLang."""
+    monkeypatch.setattr(L, "choose_path", lambda: "fewrow")
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(64, 40, bias=False)
+    x = torch.randn(2, 3, 64)
+    calls = []
+    with torch.inference_mode():
+        first = cpu_linear.linear_apply(_original(calls), None, layer, x)
+        assert "_entmtp_fast" in layer.__dict__
+        again = cpu_linear.linear_apply(_original(calls), None, layer, x)
+        assert torch.equal(first, again) and again.shape == (2, 3, 40)
+        assert torch.equal(cpu_linear.linear_apply(_original(calls), None, layer, x[1, 2:]), again[1, 2:])
+        layer.weight.mul_(2)   # in place: a new version
+        torch.testing.assert_close(cpu_linear.linear_apply(_original(calls), None, layer, x), 2 * first)
+    layer.weight = torch.nn.Parameter(torch.zeros(40, 64), requires_grad=False)   # replaced
+    with torch.inference_mode():
+        assert not cpu_linear.linear_apply(_original(calls), None, layer, x).any()
+        cpu_linear.linear_apply(_original(calls), None, layer.double(), x.double())
+    assert calls == [layer]   # only the float64 layer took SGLang's code
+    layer.float()
+    cpu_linear.linear_apply(_original(calls), None, layer, x)   # autograd on
+    assert calls == [layer, layer]

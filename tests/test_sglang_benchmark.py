@@ -153,7 +153,8 @@ def test_the_versus_table_divides_paired_ratios_and_names_the_best():
 
 def test_the_stock_spec_leaves_the_general_plugin_out_and_the_eagle_stand_ins_keep_sglang_layers(tmp_path):
     """STOCK starts SGLang with SGLANG_PLUGINS naming only the CPU-ops platform plugin, on torch_native; plain
-    keeps the plugin; `sglang_layers` puts a spec on SGLang's own linear layers without touching the rest."""
+    keeps the plugin; `sglang_layers` puts a spec on SGLang's own layers (linear, RMSNorm, SiLU, rotary) without
+    touching the rest."""
     assert b.STOCK.stock and b.STOCK.speculative is None and b.STOCK.attention == "torch_native"
     assert not b.PLAIN.stock and not b.ENTMTP.stock and not b.ADAPTIVE.stock
     assert (b.STOCK.layers, b.PLAIN.layers, b.ENTMTP.layers) == ("sglang", "package", "package")
@@ -165,7 +166,7 @@ def test_the_stock_spec_leaves_the_general_plugin_out_and_the_eagle_stand_ins_ke
     assert not b.SystemSpec("x", env=(("SGLANG_PLUGINS", "entmtp_cpu_ops, entmtp"),)).stock
     adaptive = b.sglang_layers(b.ADAPTIVE)
     assert adaptive.layers == "sglang" and not adaptive.stock
-    assert dict(adaptive.env) == {"ENTMTP_LINEAR": "torch", "ENTMTP_ONEDNN": "0"}
+    assert dict(adaptive.env) == {"ENTMTP_LINEAR": "torch", "ENTMTP_ONEDNN": "0", "ENTMTP_ROWWISE": "0"}
     assert (adaptive.name, adaptive.speculative, adaptive.adaptive, adaptive.attention, adaptive.draft_tokens) == \
         (b.ADAPTIVE.name, "EAGLE", True, "entmtp_torch", b.ADAPTIVE.draft_tokens)
     env = dict(b.sglang_layers(b.SystemSpec("y", "EAGLE", env=(("ENTMTP_TREE_SET", "f.json"),))).env)
@@ -297,6 +298,7 @@ def test_a_stock_process_loads_only_the_cpu_ops_of_this_package():
     SGLang, only the sgl_kernel CPU ops. Plain with the package: every hook, the linear layers' among them (unless
     the machine's path is F.linear itself). EAGLE's stand-in (`sglang_layers`): entmtp_torch and the other hooks, not
     the linear layers'. Each in a fresh process: SGLang loads plugins once per process."""
+    from entmtp_sglang.sglang import cpu_rowwise
     from entmtp_sglang.sglang.cpu_linear import LINEAR_APPLY, LM_HEAD
 
     stock = _loads(b.STOCK.env)
@@ -305,7 +307,8 @@ def test_a_stock_process_loads_only_the_cpu_ops_of_this_package():
     assert full["entmtp_torch"] and full["stub"] and len(full["hooks"]) > 2
     stand_in = _loads(b.sglang_layers(b.ADAPTIVE).env)
     assert stand_in["entmtp_torch"] and LINEAR_APPLY not in stand_in["hooks"] and LM_HEAD not in stand_in["hooks"]
-    assert set(stand_in["hooks"]) == set(full["hooks"]) - {LINEAR_APPLY, LM_HEAD}
+    assert (set(cpu_rowwise.HOOKED) <= set(full["hooks"])) == cpu_rowwise.ops.available()
+    assert set(stand_in["hooks"]) == set(full["hooks"]) - {LINEAR_APPLY, LM_HEAD, *cpu_rowwise.HOOKED}
 
 
 @pytest.mark.sglang

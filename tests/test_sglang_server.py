@@ -99,6 +99,15 @@ def test_both_servers_take_the_machines_batch_invariant_linear_path(servers):
         assert taken == ({expected} if expected != "torch" else set()), (srv.log_path, taken)
 
 
+def test_both_servers_take_the_row_wise_ops(servers):
+    """RMSNorm, SiLU-and-mul and the rotary embedding of both servers take the row-wise CPU ops (where they build)."""
+    from entmtp_sglang.kernels import rowwise_ops
+
+    for srv in servers:
+        line = "RMSNorm, SiLU-and-mul and rotary embedding take the row-wise CPU ops"
+        assert (line in srv.log_text()) == rowwise_ops.available(), srv.log_path
+
+
 def test_meta_info_reports_trees_and_accepted_lengths(servers):
     _, ent = servers
     out = ent.generate("def add(a, b):\n    return", 24)

@@ -27,7 +27,7 @@ arithmetic on activations) are ours. SGLang's EAGLE and `--speculative-adaptive`
 `torch_native` refuses EAGLE ("EAGLE is not supported in attention backend torch_native") and `intel_amx`, SGLang's
 only CPU backend with a draft path, needs a CPU build of sgl-kernel (SGLang falls back to `torch_native` without
 it, even on an AMX processor). `sglang_layers(spec)` gives their closest stock form: the plugin loaded for its
-attention backend and CPU ops, SGLang's own linear layers (`SGLANG_LAYERS_ENV`).
+attention backend and CPU ops, SGLang's own layers (`SGLANG_LAYERS_ENV`).
 """
 
 from __future__ import annotations
@@ -49,9 +49,10 @@ from ..tasks import load_prompts
 FLOAT32 = ("--dtype", "float32")  # float32 keeps near-tied argmaxes from flipping between batch shapes
 STOCK_PLUGINS = "entmtp_cpu_ops"   # SGLANG_PLUGINS for stock SGLang: the sgl_kernel CPU ops only (module docstring)
 STOCK_ENV = (("SGLANG_PLUGINS", STOCK_PLUGINS),)
-# SGLang's own CPU linear layers in a process that loads the plugin: sglang/cpu_linear.py hooks nothing when the
-# machine's linear path is F.linear; ENTMTP_LINEAR=torch asks for it, ENTMTP_ONEDNN=0 is its older spelling
-SGLANG_LAYERS_ENV = (("ENTMTP_LINEAR", "torch"), ("ENTMTP_ONEDNN", "0"))
+# SGLang's own CPU layers in a process that loads the plugin: sglang/cpu_linear.py hooks nothing when the machine's
+# linear path is F.linear (ENTMTP_LINEAR=torch asks for it, ENTMTP_ONEDNN=0 is its older spelling), and
+# sglang/cpu_rowwise.py nothing with ENTMTP_ROWWISE=0 (SGLang's own RMSNorm, SiLU-and-mul, rotary embedding)
+SGLANG_LAYERS_ENV = (("ENTMTP_LINEAR", "torch"), ("ENTMTP_ONEDNN", "0"), ("ENTMTP_ROWWISE", "0"))
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,8 @@ class SystemSpec:
 
     @property
     def layers(self) -> str:
-        """Whose CPU linear layers the server runs: "sglang" (stock, or the plugin told to keep SGLang's) or
-        "package" (the plugin's, `sglang/cpu_linear.py`)."""
+        """Whose CPU layers the server runs: "sglang" (stock, or the plugin told to keep SGLang's) or "package"
+        (the plugin's: `sglang/cpu_linear.py`, `sglang/cpu_rowwise.py`)."""
         env = dict(self.env)
         return ("sglang" if self.stock or env.get("ENTMTP_LINEAR") == "torch" or env.get("ENTMTP_ONEDNN") == "0"
                 else "package")

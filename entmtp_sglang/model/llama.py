@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..kernels import rowwise_ops
 from ..kernels.tree_attention import ATTENTION_BACKENDS, tree_attention
 from .linear import Linear, PackedWeight, applies, linear, packed_linear
 
@@ -80,6 +81,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if rowwise_ops.takes(x) and self.weight.dtype is torch.float32:   # one pass per row (kernels/rowwise_ops)
+            return rowwise_ops.rmsnorm(x.contiguous(), self.weight, self.eps)
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -97,6 +100,17 @@ class Rotary(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
+        # the row-wise op's layout: each position's head_dim / 2 cosines, then its sines
+        half = head_dim // 2
+        self.register_buffer("cos_sin", torch.cat((self.cos[:, :half], self.sin[:, :half]), dim=-1), persistent=False)
+
+    def rotate_rows(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, head_dim: int):
+        """q, k: (B, T, heads x head_dim), positions (B, T): both rotated by the row-wise op (float32 CPU), the
+        same element-wise arithmetic as `forward`."""
+        b, t = positions.shape
+        qr, kr = rowwise_ops.rope(positions.reshape(-1).long().contiguous(), q.reshape(b * t, -1).contiguous(),
+                                  k.reshape(b * t, -1).contiguous(), self.cos_sin, head_dim, True)
+        return qr.view(q.shape), kr.view(k.shape)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # x: (B, nh, T, hd); positions: (B, T)
@@ -166,10 +180,14 @@ class Attention(nn.Module):
             q, k, v = packed_linear(x, self._qkv.get(weights)).split([w.shape[0] for w in weights], dim=-1)
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        rows = rowwise_ops.takes(q) and rotary.cos_sin.dtype is torch.float32
+        if rows:
+            q, k = rotary.rotate_rows(q, k, positions, self.head_dim)
         q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
         k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = rotary(q, positions), rotary(k, positions)
+        if not rows:
+            q, k = rotary(q, positions), rotary(k, positions)
         if cache is not None:
             cache.write(layer, start, k, v)
             k, v = cache.k[layer], cache.v[layer]  # (B, n_kv, C, hd); the mask covers slots [0, S)
@@ -193,8 +211,11 @@ class MLP(nn.Module):
 
     def forward(self, x):
         weights = (self.gate_proj.weight, self.up_proj.weight)
-        if applies(x, *weights):  # one oneDNN call for both
-            gate, up = packed_linear(x, self._gate_up.get(weights)).chunk(2, dim=-1)
+        if applies(x, *weights):  # one call for both
+            gate_up = packed_linear(x, self._gate_up.get(weights))
+            if rowwise_ops.takes(gate_up):
+                return self.down_proj(rowwise_ops.silu_and_mul(gate_up.contiguous()))
+            gate, up = gate_up.chunk(2, dim=-1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         return self.down_proj(F.silu(gate) * up)

@@ -21,9 +21,11 @@ import logging
 
 import torch
 
+from ..kernels.fewrow_linear import FewRowWeight
 from ..model.linear import PackedWeight, applies, packed_linear
 
 logger = logging.getLogger(__name__)
+F32 = torch.float32
 LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
 LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 HOOKED = {
@@ -59,11 +61,26 @@ def _announce(cache: PackedWeight) -> None:
 
 
 def linear_apply(original, self, layer, x, bias=None):
+    fast = layer.__dict__.get("_entmtp_fast")
+    if fast is not None:   # the few-row kernel's weight as checked last call: a decode step's 120 calls stay cheap
+        weight, version, packed, n, op = fast
+        if (layer._parameters.get("weight") is weight and weight._version == version and x.dtype is F32
+                and x.device.type == "cpu" and not torch.is_grad_enabled()
+                and (bias is None or (bias.dtype is F32 and bias.device.type == "cpu"))):
+            flat = x if x.dim() == 2 and x.stride(-1) == 1 else x.reshape(-1, x.shape[-1]).contiguous()
+            out = op(flat, packed, bias, n)
+            return out if flat is x else out.view(*x.shape[:-1], n)
     if _plain_weight(layer) and applies(x, layer.weight, *(() if bias is None else (bias,))):
         cache = _packed(layer)
-        out = packed_linear(x, cache.get((layer.weight,)), bias)
+        packed = cache.get((layer.weight,))
+        out = packed_linear(x, packed, bias)
         _announce(cache)
+        if isinstance(packed, FewRowWeight) and isinstance(layer._parameters.get("weight"), torch.Tensor):
+            w = layer._parameters["weight"]
+            layer.__dict__["_entmtp_fast"] = (w, w._version, packed.packed, packed.out_features,
+                                              torch.ops.entmtp.fewrow_linear.default)
         return out
+    layer.__dict__.pop("_entmtp_fast", None)
     return original(self, layer, x, bias)
 
 

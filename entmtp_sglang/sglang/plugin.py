@@ -95,9 +95,9 @@ def _register_attention() -> None:
     HookRegistry.register(DRAFT_BACKEND_FACTORY, _draft_backend_around, HookType.AROUND)
     HookRegistry.register(OUTPUT_STREAMER, output_streamer_hook, HookType.AFTER)
     HookRegistry.register(PENALTIES, _penalties_in_one_order, HookType.AROUND)
-    from . import admission, cpu_linear, observe, sampling
+    from . import admission, cpu_linear, cpu_rowwise, observe, sampling
 
-    for module in (admission, observe, sampling, cpu_linear):
+    for module in (admission, observe, sampling, cpu_linear, cpu_rowwise):
         module.register_hooks(check_signature)
 
 
