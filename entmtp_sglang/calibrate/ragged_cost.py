@@ -1,0 +1,223 @@
+"""Step costs of ragged steps, where each request of a batch verifies its own number of tokens (issue 36): the
+cost the batch budget (`policy/budget.py`) divides expected tokens by.
+
+A speculating step (some row drafts, max depth >= 1) costs
+
+    seconds = base + per_token * total_tokens + per_level * max_depth + per_row * batch_size
+
+(total_tokens: the tokens the target verifies, a resting row's one included; max_depth: the levels the batch
+drafts), and a step where every row rests (max depth 0) is SGLang's plain decode, another regime
+(`costs.StepCostModel`'s chain:0): `plain_base + plain_per_row * batch_size` when measured. Every coefficient is
+>= 0, so the cost is affine and nondecreasing in total_tokens and nondecreasing in max_depth: what makes the
+budget's greedy exact.
+
+`fit_ragged_cost` fits it on timed steps (the median of each (tokens, depth, batch) point, weighted by sqrt of its
+count, as `online.fit_costs` weighs its points) by non-negative least squares; with fewer than three distinct
+speculating points it scales a prior instead. `OnlineRaggedCost` is the refit a serving worker runs, in the manner
+of `online.OnlineCalibration.observe_time`: the first step of each (depth, batch) shape is a warm-up and is
+dropped, each point keeps its last `RECENT` times, and every `refit_every` steps `refit` fits again.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import statistics
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+RECENT = 32         # step times kept per (tokens, depth, batch) point, as online.RECENT
+MIN_POINTS = 3      # distinct speculating points before a fit replaces the scaled prior
+
+
+@dataclass(frozen=True)
+class RaggedStep:
+    """One timed step: the tokens the target verified (sum over rows), the deepest drafted level, the rows."""
+
+    total_tokens: int
+    max_depth: int
+    batch_size: int
+    seconds: float
+
+    def __post_init__(self):
+        if self.batch_size < 1 or self.max_depth < 0:
+            raise ValueError(f"need batch_size >= 1 and max_depth >= 0, got {self.batch_size}, {self.max_depth}")
+        least = self.batch_size + self.max_depth  # every row its root, the deepest row its levels
+        if self.total_tokens < least or (self.max_depth == 0 and self.total_tokens != self.batch_size):
+            raise ValueError(f"{self.total_tokens} tokens cannot be verified by {self.batch_size} rows at max depth "
+                             f"{self.max_depth} (at least {least}; exactly {self.batch_size} when every row rests)")
+        if not (math.isfinite(self.seconds) and self.seconds > 0):
+            raise ValueError(f"seconds must be positive, got {self.seconds!r}")
+
+    @property
+    def point(self) -> tuple[int, int, int]:
+        return self.total_tokens, self.max_depth, self.batch_size
+
+
+@dataclass(frozen=True)
+class RaggedStepCost:
+    """Seconds of one ragged step (module docstring); plain_base = plain_per_row = 0: the all-resting step is not
+    measured and costs what the speculating line says."""
+
+    base: float
+    per_token: float
+    per_level: float
+    per_row: float = 0.0
+    plain_base: float = 0.0
+    plain_per_row: float = 0.0
+
+    def __post_init__(self):
+        for name in ("base", "per_token", "per_level", "per_row", "plain_base", "plain_per_row"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0 (costs never fall with more work), got {v!r}")
+        if self.base + self.per_token + self.per_level + self.per_row <= 0:
+            raise ValueError("a step must cost something: base, per_token, per_level and per_row are all 0")
+
+    @property
+    def plain_known(self) -> bool:
+        return self.plain_base + self.plain_per_row > 0
+
+    def line(self, total_tokens: int, max_depth: int, batch_size: int) -> float:
+        return self.base + self.per_token * total_tokens + self.per_level * max_depth + self.per_row * batch_size
+
+    def __call__(self, total_tokens: int, max_depth: int, batch_size: int) -> float:
+        if max_depth == 0 and self.plain_known:
+            return self.plain_base + self.plain_per_row * batch_size
+        return self.line(total_tokens, max_depth, batch_size)
+
+    def scaled(self, factor: float) -> "RaggedStepCost":
+        """Every coefficient of the speculating line times `factor` (the plain regime kept)."""
+        return RaggedStepCost(self.base * factor, self.per_token * factor, self.per_level * factor,
+                              self.per_row * factor, self.plain_base, self.plain_per_row)
+
+    def to_json(self) -> dict:
+        return {k: round(getattr(self, k), 9) for k in ("base", "per_token", "per_level", "per_row", "plain_base",
+                                                       "plain_per_row")}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RaggedStepCost":
+        return cls(float(d["base"]), float(d["per_token"]), float(d["per_level"]), float(d.get("per_row", 0.0)),
+                   float(d.get("plain_base", 0.0)), float(d.get("plain_per_row", 0.0)))
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """argmin ||w * (x @ c - y)|| over c >= 0, for a handful of columns: least squares on every subset of the
+    columns of full rank, the best whose coefficients are all >= 0 (the others 0). Exact for so few columns."""
+    xw, yw = x * w[:, None], y * w
+    best, best_res = np.zeros(x.shape[1]), float(yw @ yw)
+    for size in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), size):
+            sub = xw[:, cols]
+            if np.linalg.matrix_rank(sub) < size:
+                continue
+            coef = np.linalg.lstsq(sub, yw, rcond=None)[0]
+            if (coef < 0).any():
+                continue
+            r = sub @ coef - yw
+            res = float(r @ r)
+            if res < best_res - 1e-15 * max(1.0, best_res):
+                best, best_res = np.zeros(x.shape[1]), res
+                best[list(cols)] = coef
+    return best
+
+
+def _medians(steps: Sequence[RaggedStep]) -> dict[tuple[int, int, int], tuple[float, int]]:
+    by_point: dict = collections.defaultdict(list)
+    for s in steps:
+        by_point[s.point].append(s.seconds)
+    return {p: (statistics.median(v), len(v)) for p, v in by_point.items()}
+
+
+def fit_ragged_cost(steps: Sequence[RaggedStep], prior: RaggedStepCost | None = None) -> RaggedStepCost:
+    """The cost model of the timed `steps`:
+
+        speculating: per (tokens, depth, batch) point its median seconds; with >= MIN_POINTS distinct points,
+                     non-negative least squares on (1, tokens, depth, batch), weights sqrt(count); else the
+                     prior's line scaled by the count-weighted mean of measured / prior (the prior's line alone
+                     when none was measured)
+        all resting: with two or more batch sizes, non-negative least squares on (1, batch); with one, its median
+                     through the per-row slope of the prior's plain regime (else the line's per_token + per_row);
+                     none, the prior's plain regime
+
+    ValueError when fewer than MIN_POINTS speculating points were measured and there is no prior."""
+    points = _medians(steps)
+    spec = {p: v for p, v in points.items() if p[1] > 0}
+    plain = {p: v for p, v in points.items() if p[1] == 0}
+    if len(spec) >= MIN_POINTS:
+        x = np.array([[1.0, *p] for p in spec], dtype=np.float64)
+        y = np.array([s for s, _ in spec.values()], dtype=np.float64)
+        w = np.sqrt(np.array([n for _, n in spec.values()], dtype=np.float64))
+        base, per_token, per_level, per_row = nonnegative_lstsq(x, y, w).tolist()
+        line = RaggedStepCost(base, per_token, per_level, per_row)
+    elif prior is None:
+        raise ValueError(f"{len(spec)} distinct speculating step point(s) measured; a fit needs {MIN_POINTS} "
+                         "(or a prior to scale)")
+    elif spec:
+        ratio = sum(s / prior.line(*p) * n for p, (s, n) in spec.items()) / sum(n for _, n in spec.values())
+        line = prior.scaled(ratio)
+    else:
+        line = prior
+    plain_base, plain_per_row = (prior.plain_base, prior.plain_per_row) if prior is not None else (0.0, 0.0)
+    if len(plain) >= 2:
+        x = np.array([[1.0, p[2]] for p in plain], dtype=np.float64)
+        y = np.array([s for s, _ in plain.values()], dtype=np.float64)
+        w = np.sqrt(np.array([n for _, n in plain.values()], dtype=np.float64))
+        plain_base, plain_per_row = nonnegative_lstsq(x, y, w).tolist()
+    elif plain:
+        (_, _, batch), (seconds, _) = next(iter(plain.items()))
+        slope = plain_per_row if prior is not None and prior.plain_known else line.per_token + line.per_row
+        slope = min(slope, seconds / batch)
+        plain_base, plain_per_row = seconds - slope * batch, slope
+    return RaggedStepCost(line.base, line.per_token, line.per_level, line.per_row, max(plain_base, 0.0),
+                          plain_per_row)
+
+
+@dataclass
+class OnlineRaggedCost:
+    """The ragged step-cost model a serving worker refits from its own timed steps (see the module docstring).
+    `cost` is the model in use: the prior until the first refit."""
+
+    prior: RaggedStepCost | None = None
+    refit_every: int = 64
+    recent: int = RECENT
+    steps: int = 0
+    refits: int = 0
+    cost: RaggedStepCost | None = None
+    times: dict = field(default_factory=dict)   # (tokens, depth, batch) -> deque of its last `recent` seconds
+    warm: set = field(default_factory=set)      # (depth, batch) shapes whose warm-up step was dropped
+
+    def __post_init__(self):
+        if self.refit_every < 1 or self.recent < 1:
+            raise ValueError(f"refit_every and recent must be >= 1, got {self.refit_every}, {self.recent}")
+        if self.cost is None:
+            self.cost = self.prior
+
+    def observe(self, total_tokens: int, max_depth: int, batch_size: int, seconds: float | None) -> None:
+        """One step (None: count the step, time unknown)."""
+        self.steps += 1
+        if seconds is None:
+            return
+        step = RaggedStep(total_tokens, max_depth, batch_size, seconds)
+        shape = (max_depth, batch_size)
+        if shape not in self.warm:
+            self.warm.add(shape)
+            return
+        self.times.setdefault(step.point, collections.deque(maxlen=self.recent)).append(seconds)
+
+    def due(self) -> bool:
+        return self.steps >= (self.refits + 1) * self.refit_every
+
+    def observed(self) -> list[RaggedStep]:
+        return [RaggedStep(*p, s) for p, times in self.times.items() for s in times]
+
+    def refit(self) -> RaggedStepCost | None:
+        """The model fitted on the steps kept so far (the current one while too few were measured and there is
+        no prior); it becomes `cost`."""
+        self.refits += 1
+        if self.prior is not None or sum(1 for p in self.times if p[1] > 0) >= MIN_POINTS:
+            self.cost = fit_ragged_cost(self.observed(), self.prior)
+        return self.cost
