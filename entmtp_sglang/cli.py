@@ -534,6 +534,12 @@ def _add_bench(sub) -> None:
     add_parser(sub)
 
 
+def _add_distill(sub) -> None:
+    from .training.fixed_data import add_parser
+
+    add_parser(sub)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="entmtp", description="EntMTP: entropy-guided tree speculation for multi-token-prediction models.")
@@ -543,6 +549,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_bench(sub)
     _add_model(sub)
     _add_kernels(sub)
+    _add_distill(sub)
     args = parser.parse_args(argv)
     if args.command == "model":
         return _model(args)
@@ -552,6 +559,10 @@ def main(argv: list[str] | None = None) -> int:
         return _generate(args)
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "distill":
+        from .training.fixed_data import run
+
+        return run(args)
     if args.command == "bench":
         from .bench.cli import main as bench_main
 
