@@ -6,6 +6,7 @@ A `GrammarSpec` is compiled once per request (errors name the problem before gen
 * `root_mask()`                 - legal next tokens now (for prefill and plain decoding);
 * `tree_masks(tree, tokens)`    - legal tokens after every node of a draft tree (verification);
 * `path_mask(path_tokens)`      - legal tokens after a path below the root (grammar-aware drafting);
+* `forced_span(path, spell, n)` - the tokens the grammar alone decides after a path (jump-forward drafting);
 * `advance(tokens)`             - accept emitted tokens; False on a dead end.
 
 A dead end is a state where no token of the vocabulary is allowed (all masks False) although the grammar
@@ -130,6 +131,49 @@ class RequestGrammar:
         if accepted:
             self.matcher.rollback(accepted)
         return mask
+
+    def forced_span(self, path: list[int], spell, max_tokens: int) -> list[int]:
+        """The tokens the grammar alone decides after `path` (tokens below the root), at most `max_tokens`:
+        [] where the path is illegal or nothing is decided.
+
+            accept path
+            while fewer than max_tokens and not terminated:
+                text = the grammar's jump-forward string (xgrammar: the text every legal continuation starts with)
+                if text:  take spell(text) (the tokenizer's spelling) up to its first token the grammar refuses
+                elif exactly one token is legal (a stop token, a token only one spelling reaches): take it
+                else: stop
+            roll everything back
+
+        `spell(text) -> list[int]` is the tokenizer's ordinary encoding of `text` (no special tokens). The
+        model may spell the same text otherwise: the span is a draft, verified like any other."""
+        m = self.matcher
+        accepted = 0
+        for t in path:
+            if m.is_terminated() or not m.accept_token(int(t)):
+                if accepted:
+                    m.rollback(accepted)
+                return []
+            accepted += 1
+        out: list[int] = []
+        while len(out) < max_tokens and not m.is_terminated():
+            text = m.find_jump_forward_string()
+            took = 0
+            if text:
+                for t in spell(text)[: max_tokens - len(out)]:
+                    if not m.accept_token(int(t)):
+                        break
+                    out.append(int(t))
+                    took += 1
+            else:
+                legal = self.root_mask().nonzero().flatten()
+                if legal.numel() == 1 and m.accept_token(int(legal[0])):
+                    out.append(int(legal[0]))
+                    took = 1
+            if not took:
+                break
+        if accepted + len(out):
+            m.rollback(accepted + len(out))
+        return out
 
     def advance(self, tokens: list[int]) -> bool:
         for t in tokens:
