@@ -140,3 +140,43 @@ def test_decode_of_equal_lengths_runs_unmasked_and_matches_the_masked_plan():
             torch.testing.assert_close(got[b], dense(q[b], k[rows], v[rows], torch.ones(int(seq[b]), dtype=torch.bool),
                                                      0.3))
     assert decode_plan(r2t, torch.tensor([0, 1]), torch.tensor([5, 6])).mask is not None
+
+
+def test_per_row_draft_slots_give_each_request_its_own_trees_rows():
+    """`MultiStepDraftBackend.set_draft_rows` with (bs, topk, A) offsets (each request its own tree): request b's
+    draft rows read the KV slots that the shared (topk, A) offsets of b's tree give it alone."""
+    from helpers.testing import import_sglang_or_skip
+
+    import_sglang_or_skip()
+    from types import SimpleNamespace
+
+    from entmtp_sglang.sglang.attention import MultiStepDraftBackend
+
+    gen = torch.Generator().manual_seed(5)
+    _, _, r2t = pool(gen, reqs=3)
+    runner = SimpleNamespace(device="cpu", req_to_token_pool=SimpleNamespace(req_to_token=r2t),
+                             token_to_kv_pool=None)
+    topk, steps = 2, 3
+    # per tree, per draft step: (topk, A) offsets and validity
+    trees = [[torch.tensor([[0, 1], [3, 0]]), torch.tensor([[0, 1], [4, 5]])],
+             [torch.tensor([[0, 0], [1, 0]]), torch.tensor([[0, 2], [1, 2]])]]
+    valid = [[torch.tensor([[True, True], [True, False]]), torch.ones(2, 2, dtype=torch.bool)],
+             [torch.tensor([[True, False], [True, False]]), torch.tensor([[True, True], [False, True]])]]
+    batch = SimpleNamespace(req_pool_indices=torch.tensor([2, 0, 1]), seq_lens=torch.tensor([7, 5, 9]))
+    choice = [1, 0, 1]
+
+    def plans(offsets, valids):
+        backend = MultiStepDraftBackend(runner, topk, steps)
+        backend.set_draft_rows(offsets, valids)
+        backend.init_forward_metadata(batch)
+        return [(c.draft_plan.kv_idx, c.draft_plan.mask) for c in backend.attn_backends]
+
+    per_row = plans([torch.stack([trees[k][s] for k in choice]) for s in range(2)],
+                    [torch.stack([valid[k][s] for k in choice]) for s in range(2)])
+    shared = [plans(trees[k], valid[k]) for k in range(2)]
+    for s in range(2):
+        for b, k in enumerate(choice):
+            rows = slice(b * topk, (b + 1) * topk)
+            assert torch.equal(per_row[s][0][rows], shared[k][s][0][rows])
+            assert torch.equal(per_row[s][1][rows], shared[k][s][1][rows])
+    assert not torch.equal(per_row[1][0][:topk], shared[0][1][0][:topk])   # row 0 is not tree 0's

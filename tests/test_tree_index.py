@@ -4,6 +4,7 @@ replaces, on random trees and the shipped sets' trees; and with no host reads in
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from entmtp_sglang.sglang.tree_index import TreeIndex, draft_tree
+from entmtp_sglang.sglang.tree_index import RowIndex, ShapeIndex, TreeIndex, draft_rows, draft_tree
 from entmtp_sglang.sglang.tree_plan import plan_tree, required_topk
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.treeset import load_tree_set
@@ -180,3 +181,126 @@ def test_the_draft_reads_nothing_from_the_host():
         with NoHost():
             tokens = draft_tree(index, root_top, root_hidden, level, hot)
         assert tokens.shape == (3, tree.num_nodes) and tokens.device.type == "meta"
+
+
+# -- each row its own tree of one shape (issue 36, item 1) ------------------------------------------------------
+def random_tree_of(rng: random.Random, n: int, max_depth: int) -> Tree:
+    """A random tree of `n` nodes and depth at most `max_depth` (>= 1)."""
+    parents, depth = [-1], [0]
+    for i in range(1, n):
+        p = rng.choice([j for j in range(i) if depth[j] < max_depth])
+        parents.append(p)
+        depth.append(depth[p] + 1)
+    return Tree(tuple(parents), name=f"random{n}-{rng.randrange(10**6)}")
+
+
+def shape_group(rng: random.Random, n: int, max_depth: int, count: int):
+    """`count` random trees of n nodes, depth <= max_depth, the deepest exactly max_depth, on one layout."""
+    trees = []
+    while len(trees) < count or max(t.max_depth for t in trees) != max_depth:
+        t = random_tree_of(rng, n, max_depth)
+        trees = (trees + [t])[-count:]
+    topk = max(required_topk(t) for t in trees)
+    return trees, [plan_tree(t, topk, max_depth) for t in trees]
+
+
+def check_rows(shape: ShapeIndex, choice: list[int], seed: int, hot: torch.Tensor | None = None,
+               rows: RowIndex | None = None) -> None:
+    """Per-row drafting equals drafting each row's own tree node by node, one row at a time: the tokens, what each
+    of the row's levels feeds the drafter, SGLang's candidates, and the draft slots each draft row attends to."""
+    bs, topk = len(choice), shape.stack.topk
+    rows = rows if rows is not None else shape.gather(torch.tensor(choice))
+    g = torch.Generator().manual_seed(seed)
+    root_top = torch.randint(0, V, (bs, topk), generator=g)
+    root_hidden = torch.randn(bs, H, generator=g)
+    a = Drafter(seed)
+    a.topk = topk
+    tokens = draft_rows(rows, root_top, root_hidden, a, hot)
+    assert tokens.shape == (bs, shape.stack.num_nodes)
+    for b, k in enumerate(choice):
+        plan = shape.plans[k]
+        one = Drafter(seed)
+        one.topk = topk
+        expected = node_by_node(plan, root_top[b:b + 1], root_hidden[b:b + 1], one, hot)
+        for level, (ids, hid) in enumerate(one.calls):
+            got_ids, got_hid = a.calls[level]
+            assert torch.equal(got_ids.view(bs, topk)[b], ids), (plan.tree.name, b, level)
+            assert torch.equal(got_hid.view(bs, topk, H)[b], hid), (plan.tree.name, b, level)
+        for n in range(1, plan.num_nodes):
+            assert tokens[b, n] == expected[n][0], (plan.tree.name, b, n)
+        assert rows.parent_list[b].tolist() == list(plan.parent_list)
+        assert rows.selected[b].tolist() == list(plan.selected)
+        assert tokens[b, rows.selected_nodes[b]].tolist() == [expected[n][0].item() for n in plan.selected_nodes]
+        for level, level_rows in enumerate(plan.ancestor_offsets):
+            for c, r in enumerate(level_rows):
+                assert rows.row_offsets[level][b, c][rows.row_valid[level][b, c]].tolist() == list(r)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_each_row_drafts_its_own_tree_of_one_shape(seed):
+    rng = random.Random(seed)
+    n = rng.randrange(2, 14)
+    depth = rng.randrange(1, n)
+    trees, plans = shape_group(rng, n, depth, rng.randrange(1, 5))
+    shape = ShapeIndex.build(list(range(10, 10 + len(trees))), plans)
+    choice = [rng.randrange(len(trees)) for _ in range(rng.randrange(1, 7))]
+    hot = torch.randperm(V * 3)[:V] if seed % 2 else None
+    check_rows(shape, choice, seed, hot)
+    assert shape.position(10 + choice[0]) == choice[0]
+
+
+def test_the_shipped_shapes_draft_each_rows_tree():
+    """The SmolLM2 set's trees of one node count, wide and deep, side by side in one batch."""
+    ts = load_tree_set(TREES / "smollm2-135m-instruct-eagle-mixed-sglang.json")
+    by_nodes: dict[int, list] = {}
+    for i, t in enumerate(ts.trees):
+        if t.tree.max_depth:
+            by_nodes.setdefault(t.tree.num_nodes, []).append((i, t.tree))
+    mixed = [g for g in by_nodes.values() if len({t.max_depth for _, t in g}) > 1]
+    assert mixed, by_nodes
+    for group in mixed:
+        depth = max(t.max_depth for _, t in group)
+        topk = max(required_topk(t) for _, t in group)
+        shape = ShapeIndex.build([i for i, _ in group], [plan_tree(t, topk, depth) for _, t in group])
+        check_rows(shape, [k % len(group) for k in range(5)], seed=len(group))
+
+
+def test_mutating_one_rows_index_fails_the_check():
+    """The comparison can fail: another tree's entry for one row, or one child taken from another rank."""
+    trees = [Tree((-1, 0, 0, 0, 0), name="wide"), Tree((-1, 0, 1, 2, 3), name="deep"),
+             Tree((-1, 0, 1, 1, 0), name="mid")]
+    plans = [plan_tree(t, 4, 4) for t in trees]
+    shape = ShapeIndex.build([0, 1, 2], plans)
+    choice = [0, 1, 2, 1]
+    check_rows(shape, choice, seed=1)
+    swapped = shape.gather(torch.tensor([0, 2, 2, 1]))   # row 1 gets tree "mid"'s indices
+    with pytest.raises(AssertionError):
+        check_rows(shape, choice, seed=1, rows=swapped)
+    good = shape.gather(torch.tensor(choice))
+    src = [t.clone() for t in good.child_src]
+    level = next(lv for lv in range(good.levels) if good.children[lv][1, 0] < good.num_nodes)
+    src[level][1, 0] = (src[level][1, 0] + 1) % (good.topk ** 2)
+    with pytest.raises(AssertionError):
+        check_rows(shape, choice, seed=1, rows=dataclasses.replace(good, child_src=tuple(src)))
+
+
+def test_per_row_drafting_reads_nothing_from_the_host():
+    """The gather by tree id and the per-row levels on meta tensors under `NoHost`."""
+    trees = [Tree((-1, 0, 0, 0, 0, 0), name="w"), Tree((-1, 0, 0, 1, 1, 0), name="d2"),
+             Tree((-1, 0, 1, 2, 0, 0), name="d3")]
+    plans = [plan_tree(t, 5, 3) for t in trees]
+    shape = ShapeIndex.build([0, 1, 2], plans, device="meta")
+    w = torch.empty(H, V, device="meta")
+
+    def level(step, ids, hidden):
+        out = torch.tanh(hidden)
+        return (out @ w).view(-1, 5, V), out.view(-1, 5, H)
+
+    choice = torch.empty(4, dtype=torch.long, device="meta")
+    root_top = torch.empty(4, 5, dtype=torch.long, device="meta")
+    root_hidden, hot = torch.empty(4, H, device="meta"), torch.empty(V, dtype=torch.long, device="meta")
+    with NoHost():
+        rows = shape.gather(choice)
+        tokens = draft_rows(rows, root_top, root_hidden, level, hot)
+    assert tokens.shape == (4, 6) and tokens.device.type == "meta"
+    assert rows.parent_list.shape == (4, 1 + 2 * 5) and rows.row_offsets[0].shape[:2] == (4, 5)

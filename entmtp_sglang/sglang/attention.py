@@ -100,7 +100,8 @@ class MultiStepDraftBackend:
     (b, c) writes its K/V at column c step i. What a row attends to besides the prefix:
     * default (SGLang EAGLE): its own column's steps 0..i;
     * with `set_draft_rows(offsets, valid)` (a worker drafting a fixed tree): the listed offsets,
-      `offsets[i]` of shape (topk, A) — the slots of the row's ancestors and itself.
+      `offsets[i]` of shape (topk, A) — the slots of the row's ancestors and itself — or (bs, topk, A) when
+      each request of the batch drafts its own tree.
     """
 
     def __init__(self, model_runner, topk: int, speculative_num_steps: int):
@@ -133,10 +134,12 @@ class MultiStepDraftBackend:
                 off, val = self.default_rows(step, seq.device)
             else:
                 off, val = self._rows[0][step], self._rows[1][step]
+            if off.dim() == 2:   # one tree for the batch: the same rows for every request
+                off, val = off[None].expand(bs, -1, -1), val[None].expand(bs, -1, -1)
             # (bs, topk, A) absolute positions in req_to_token -> slots
-            pos = seq[:, None, None] + off[None].long()
+            pos = seq[:, None, None] + off.long()
             slots = r2t[rpi[:, None, None], pos.clamp(max=r2t.shape[1] - 1)].long()
             slots = slots.reshape(bs * topk, -1)
-            v = val[None].expand(bs, -1, -1).reshape(bs * topk, -1)
+            v = val.reshape(bs * topk, -1)
             child.draft_plan = rows_plan(pre_idx, pre_valid, torch.where(v, slots, 0), v)
             child.plan = None
