@@ -13,6 +13,7 @@ What the brute-force comparisons hold the greedy to (budget.py's contract):
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -34,12 +35,14 @@ from entmtp_sglang.policy.budget import (
     TreeOption,
     allocate,
     allocate_exhaustive,
+    allocate_shared,
     budget_config,
     evaluate,
     frontier,
     options_of,
     request_options,
     rest_option,
+    shared_shape_cost,
     upper_hull,
 )
 from entmtp_sglang.policy.controller import RequestInput, TreeController, UnknownTreeError
@@ -365,6 +368,109 @@ def test_request_options_come_from_the_controller():
     bad = request_options(c, [RequestInput("bad", 0.9)])[0]
     assert bad.options[2].expected_tokens == pytest.approx(min(c.scale("bad") * 3.6, 4) + 1)
     assert options_of([Tree.chain(2)], [5.0])[0].expected_tokens == 3.0   # clipped to the depth
+
+
+# -- one node count shared by every row (SGLang's strided verify) ------------------------------------------------
+#   seconds = 10 ms + 1 ms per verified token + 2 ms per drafted level (COST)
+#
+#   option   nodes depth  E[tokens]: json  chat
+#   rest       1    0               1.0   1.0
+#   wide4      4    1               1.6   1.5     (three siblings under the root)
+#   deep4      4    3               3.4   1.2     (a chain of three)
+#
+#   json   chat    tokens depth  E    seconds  tokens/s
+#   rest   rest      2     0    2.0   0.012   166.7
+#   wide4  wide4     8     1    3.1   0.020   155.0
+#   deep4  deep4     8     3    4.6   0.024   191.7   <- one tree for the batch
+#   deep4  wide4     8     3    4.9   0.024   204.2   <- each its own tree at the shared shape
+def _shared(json_e: tuple[float, float], chat_e: tuple[float, float]) -> list[RequestOptions]:
+    return [RequestOptions((rest_option(), TreeOption("wide4", 4, 1, w), TreeOption("deep4", 4, 3, d)))
+            for w, d in (json_e, chat_e)]
+
+
+def test_each_request_its_own_tree_at_a_shared_shape_by_hand():
+    batch = _shared((1.6, 3.4), (1.5, 1.2))
+    a = allocate_shared(batch, COST)
+    assert a.trees == ("deep4", "wide4") and a.num_nodes == (4, 4) and a.max_depth == 3
+    assert a.tokens_per_second == pytest.approx(4.9 / 0.024)
+    one_tree = max(evaluate(batch, (k, k), COST).tokens_per_second for k in range(3))
+    assert one_tree == pytest.approx(4.6 / 0.024) and one_tree < a.tokens_per_second
+    assert allocate_shared(_shared((1.05, 1.1), (1.02, 1.01)), COST).all_rest   # drafts that do not pay
+
+
+def _shared_request(rng: random.Random, room: bool = False, pin: bool = False) -> RequestOptions:
+    """Options of a few node counts, several trees (depths) per count, random expectations."""
+    opts, k = [rest_option(0)], 1
+    for n in rng.sample([2, 3, 4, 6], rng.randint(1, 3)):
+        for depth in rng.sample(range(1, n), rng.randint(1, min(3, n - 1))):
+            opts.append(TreeOption(k, n, depth, rng.uniform(1.0, depth + 1.0)))
+            k += 1
+    rng.shuffle(opts)
+    return RequestOptions(tuple(opts), room=rng.randint(1, 6) if room else None,
+                          pin=rng.choice(opts).tree if pin else None)
+
+
+def test_shared_allocation_equals_brute_force_over_shared_assignments():
+    rng = random.Random(3636)
+    differ = 0
+    for _ in range(200):
+        batch = [_shared_request(rng, room=rng.random() < 0.3, pin=rng.random() < 0.2)
+                 for _ in range(rng.randint(1, 4))]
+        cost = _affine_cost(rng)
+        config = BudgetConfig(hysteresis=0.0, max_depth=rng.choice([None, None, 2]))
+        got, best = allocate_shared(batch, cost, config), allocate_exhaustive(batch, cost, config, shared=True)
+        assert got.tokens_per_second == pytest.approx(best.tokens_per_second, rel=REL), (batch, got, best)
+        assert len(set(got.num_nodes)) == 1 and got == evaluate(batch, got.choices, cost)
+        differ += len(set(got.trees)) > 1
+    assert differ > 10   # rows of one step took different trees
+
+
+def test_shared_pins_room_and_hysteresis():
+    batch = _shared((1.6, 3.4), (1.5, 1.2))
+    pinned = [batch[0], dataclasses.replace(batch[1], pin="deep4")]
+    assert allocate_shared(pinned, COST).trees == ("deep4", "deep4")
+    clash = [dataclasses.replace(batch[0], pin="chain:0"), dataclasses.replace(batch[1], pin="wide4")]
+    assert allocate_shared(clash, COST).trees == ("deep4", "wide4")    # no size both pins fit: pins dropped
+    assert allocate_shared([batch[0], dataclasses.replace(batch[1], room=3)], COST).all_rest
+    # chat ran deep4 last step: keeping it costs 4.6 / 0.024 against 4.9 / 0.024, within 10 % but not 2 %
+    prev = [batch[0], dataclasses.replace(batch[1], previous="deep4")]
+    assert allocate_shared(prev, COST, BudgetConfig(hysteresis=0.1)).trees == ("deep4", "deep4")
+    assert allocate_shared(prev, COST, BudgetConfig(hysteresis=0.02)).trees == ("deep4", "wide4")
+
+
+def _shape_set() -> TreeSet:
+    wide, deep = Tree((-1, 0, 0, 0), name="wide4"), Tree((-1, 0, 1, 2), name="deep4")
+    entries = (TreeEntry(Tree.chain(0), (0.0, 0.0), {1: 0.012, 2: 0.012}),
+               TreeEntry(wide, (0.5, 0.6), {1: 0.020, 2: 0.020}),
+               TreeEntry(deep, (0.2, 2.4), {1: 0.024, 2: 0.024}))
+    return TreeSet("m", "eagle", "t", "draft_margin", (0.5,), entries)
+
+
+def test_the_controller_gives_each_row_its_tree():
+    """`TreeController.choose_rows`: a confident row (margin 0.9) deep, an uncertain one (0.1) wide, at one
+    shape; the acceptance feedback and the all-rest back-off per row, as `choose` keeps them for the batch."""
+    c = TreeController(_shape_set(), hysteresis=0.0)
+    reqs = [RequestInput("json", 0.9), RequestInput("chat", 0.1)]
+    assert c.choose_rows(reqs) == (2, 1)
+    assert c.current["json"] == 2 and c.current["chat"] == 1
+    assert c.requests["json"].pending == pytest.approx(2.4) and c.requests["chat"].pending == pytest.approx(0.5)
+    c.record("json", 3)
+    c.record("chat", 0)
+    assert c.scale("json") > 1 > c.scale("chat")
+    cap = TreeController(_shape_set(), hysteresis=0.0)
+    assert cap.choose_rows([RequestInput("a", 0.9, room=1)]) == (0,)   # only the root fits
+    assert cap.rests(["batch"])   # an all-rest step backs off
+    one = TreeController(_shape_set(), hysteresis=0.0).choose([RequestInput("json", 0.9), RequestInput("chat", 0.1)])
+    assert one == 2   # one tree for the batch: the deep one for both
+
+
+def test_shared_shape_cost_reads_the_sets_tree_of_that_shape():
+    ts = _shape_set()
+    cost = shared_shape_cost([t.tree for t in ts.trees], lambda i, b: ts.trees[i].cost(b))
+    assert cost(8, 3, 2) == pytest.approx(0.024) and cost(8, 1, 2) == pytest.approx(0.020)
+    assert cost(2, 0, 2) == pytest.approx(0.012)
+    with pytest.raises(ValueError, match="no tree of the set has 4 nodes and depth 2"):
+        cost(8, 2, 2)
 
 
 # -- the ragged step-cost model ---------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ pure and deterministic: every tensor-parallel rank given the same inputs makes t
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
@@ -324,21 +325,99 @@ def _keep_previous(requests: Sequence[RequestOptions], allowed: Sequence[list[in
     return out
 
 
-def allocate_exhaustive(requests: Sequence[RequestOptions], cost: StepCost, config: BudgetConfig = BudgetConfig()
-                        ) -> Allocation:
+def allocate_exhaustive(requests: Sequence[RequestOptions], cost: StepCost, config: BudgetConfig = BudgetConfig(),
+                        shared: bool = False) -> Allocation:
     """The reference: every assignment of allowed options evaluated (no hysteresis; the first best in
-    lexicographic order of choices). For tests and small batches (at most EXHAUSTIVE_LIMIT assignments)."""
+    lexicographic order of choices). For tests and small batches (at most EXHAUSTIVE_LIMIT assignments).
+    `shared`: only the assignments `allocate_shared` may make (every request the same node count), pins dropped
+    when no such assignment keeps them all."""
     if not requests:
         raise ValueError("allocate_exhaustive needs at least one request")
     allowed = [_allowed(r, config) for r in requests]
+    if shared and not _shared_feasible(requests, allowed):
+        allowed = [_allowed(dataclasses.replace(r, pin=None), config) for r in requests]
     if math.prod(len(ks) for ks in allowed) > EXHAUSTIVE_LIMIT:
         raise ValueError(f"more than {EXHAUSTIVE_LIMIT} assignments to enumerate")
     best = None
     for choices in itertools.product(*allowed):
+        if shared and len({r.options[k].num_nodes for r, k in zip(requests, choices)}) > 1:
+            continue
         a = evaluate(requests, choices, cost)
         if best is None or a.tokens_per_second > best.tokens_per_second:
             best = a
     return best
+
+
+# -- one node count for every row (SGLang's strided `bs x N` verify) -------------------------------------------
+def _shared_feasible(requests: Sequence[RequestOptions], allowed: Sequence[list[int]]) -> bool:
+    """Whether some node count is allowed to every request (their pins included)."""
+    counts = [{r.options[k].num_nodes for k in ks} for r, ks in zip(requests, allowed)]
+    return bool(set.intersection(*counts))
+
+
+def allocate_shared(requests: Sequence[RequestOptions], cost: StepCost, config: BudgetConfig = BudgetConfig()
+                    ) -> Allocation:
+    """One option per request when every row of the step verifies the same N nodes (SGLang's strided `bs x N`
+    verify: no resting row inside a speculating step) and the batch drafts the deepest chosen level D; each
+    request its own tree of N nodes:
+
+        for N in the node counts every request may take, ascending (N = 1: the all-resting step):
+            for D in the depths of those N-node options, ascending:
+                per request: its allowed option of N nodes and depth <= D expecting the most tokens
+                             (ties: the shallower, then the first)
+                value = sum(expected) / cost(batch * N, deepest chosen depth, batch)
+        best = the highest value (a tie: the first seen, fewer nodes and shallower)
+        then hysteresis (`_keep_previous`) among the options of the best's N nodes and depth <= its D
+
+    Exact (equals `allocate_exhaustive(..., shared=True)`) when the cost is nondecreasing in max_depth at each
+    (total tokens, batch size). Pins, room and the config's caps as `allocate`'s; when the pins leave no node
+    count every request may take (two pins of different sizes), every pin is dropped this step."""
+    if not requests:
+        raise ValueError("allocate_shared needs at least one request")
+    allowed = [_allowed(r, config) for r in requests]
+    if not _shared_feasible(requests, allowed):
+        allowed = [_allowed(dataclasses.replace(r, pin=None), config) for r in requests]
+    batch, best, best_choices, shape = len(requests), -math.inf, None, None
+    counts = set.intersection(*({r.options[k].num_nodes for k in ks} for r, ks in zip(requests, allowed)))
+    for n in sorted(counts):
+        fits = [[k for k in ks if r.options[k].num_nodes == n] for r, ks in zip(requests, allowed)]
+        for cap in sorted({r.options[k].max_depth for r, ks in zip(requests, fits) for k in ks}):
+            choices = []
+            for r, ks in zip(requests, fits):
+                ok = [k for k in ks if r.options[k].max_depth <= cap]
+                if not ok:
+                    break
+                choices.append(max(ok, key=lambda k, r=r: (r.options[k].expected_tokens, -r.options[k].max_depth,
+                                                             -k)))
+            else:
+                deepest = max(r.options[k].max_depth for r, k in zip(requests, choices))
+                v = math.fsum(r.options[k].expected_tokens for r, k in zip(requests, choices)) / _seconds(
+                    cost, batch * n, deepest, batch)
+                if v > best:
+                    best, best_choices, shape = v, tuple(choices), (n, deepest)
+    n, depth = shape
+    kept = [[k for k in ks if r.options[k].num_nodes == n and r.options[k].max_depth <= depth]
+            for r, ks in zip(requests, allowed)]
+    return _keep_previous(requests, kept, evaluate(requests, best_choices, cost), cost, config.hysteresis)
+
+
+def shared_shape_cost(trees: Sequence[Tree], tree_cost: Callable[[int, int], float]) -> StepCost:
+    """The step cost of a shared shape from a tree set's per-tree costs: a step whose every row verifies N nodes
+    with the deepest drafted level D costs what the set's (dearest) tree of N nodes and depth D costs at that
+    batch size, `tree_cost(tree index, batch size)`."""
+    by_shape: dict[tuple[int, int], list[int]] = {}
+    for i, t in enumerate(trees):
+        by_shape.setdefault((t.num_nodes, t.max_depth), []).append(i)
+
+    def cost(total_tokens: int, max_depth: int, batch_size: int) -> float:
+        n = total_tokens // batch_size
+        ids = by_shape.get((n, max_depth))
+        if ids is None or n * batch_size != total_tokens:
+            raise ValueError(f"no tree of the set has {n} nodes and depth {max_depth} (a shared shape of "
+                             f"{total_tokens} tokens over {batch_size} rows)")
+        return max(tree_cost(i, batch_size) for i in ids)
+
+    return cost
 
 
 # -- from the policy's state --------------------------------------------------------------------------------------

@@ -148,6 +148,39 @@ class TreeController:
         self._schedule_rest(group, trees[idx].tree.max_depth == 0)
         return idx
 
+    def choose_rows(self, requests: Sequence[RequestInput], rows: int | None = None,
+                    group: Hashable = "batch") -> tuple[int, ...] | None:
+        """Each request its own tree (indices into `tree_set.trees`, in request order) at a shape the batch
+        shares: every row verifies the same node count and the batch drafts its deepest row's levels
+        (`budget.allocate_shared`: per request the tree of that size expecting the most tokens for it, the shape
+        for the most expected tokens per second of the step). Per request: its expectations scaled by its own
+        acceptance feedback, its pin (when the pins leave the batch a size to share; else none this step), its
+        room, and hysteresis towards the tree it ran last. chain:0 for every request: the step decodes without
+        speculation (and the group's rest is scheduled, as `choose` does). None when no tree fits the room."""
+        from .budget import allocate_shared, budget_config, request_options, shared_shape_cost
+
+        if not requests:
+            raise ValueError("choose_rows needs at least one request")
+        trees = self.tree_set.trees
+        limits = [r.room for r in requests if r.room is not None] + [self.max_nodes] * (self.max_nodes is not None)
+        if limits and min(limits) < min(t.tree.num_nodes for t in trees):
+            self._set_pending(requests, None, None)
+            return None
+        self.pinned(requests)   # UnknownTreeError for a pin the set lacks
+        options = request_options(self, requests, {r.key: self.current[r.key] for r in requests
+                                                   if r.key in self.current})
+        batch = rows or len(requests)
+        cost = shared_shape_cost([t.tree for t in trees], lambda i, b: trees[i].cost(b))
+        alloc = allocate_shared(options, lambda total, depth, b: cost(total // b * batch, depth, batch),
+                                budget_config(self))
+        ids = tuple(int(i) for i in alloc.trees)
+        for r, i in zip(requests, ids):
+            self.current[r.key] = i
+            st = self.requests.setdefault(r.key, _Feedback())
+            st.pending = self.expected(r)[i] if trees[i].tree.max_depth > 0 else None
+        self._schedule_rest(group, alloc.all_rest)
+        return ids
+
     def _schedule_rest(self, group: Hashable, backed_off: bool) -> None:
         """After the group's choice: a back-off to chain:0 rests the drafter 1, 2, 4, ... (at most `max_rest`)
         steps as consecutive back-offs run on; a speculating choice ends the run."""
