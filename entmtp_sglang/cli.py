@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from .drafting import drafter_names
 from .policy.registry import CLI_POLICIES, POLICIES, policy_help
 
 GENERATE_EPILOG_TEMPLATE = """\
@@ -43,7 +44,7 @@ def _add_generate(sub) -> None:
     p.add_argument("--model", type=Path, default=None,
                    help="model directory in Hugging Face layout, or smollm2 (default: smollm2, SmolLM2-135M-Instruct, "
                         "prepared on first use)")
-    p.add_argument("--drafter", choices=("medusa", "hydra", "eagle"), default="medusa",
+    p.add_argument("--drafter", choices=drafter_names(), default="medusa",
                    help="which multi-token-prediction drafter proposes tokens (default: medusa)")
     p.add_argument("--tree", default=None,
                    help="draft tree: chain:N, a comma-separated parent array, or (with --tree-set) the name of "
@@ -159,7 +160,7 @@ def _add_calibrate(sub) -> None:
                         "model and drafter you serve (--model-path, --speculative-draft-model-path) and build "
                         "the set from what its verification records and its timed steps")
     p.add_argument("--model", type=Path, default=None, help="model directory (default: bundled entmtp-tiny)")
-    p.add_argument("--drafter", choices=("medusa", "hydra", "eagle"), default=None,
+    p.add_argument("--drafter", choices=drafter_names(), default=None,
                    help="the reference engine's drafter (required with --engine reference)")
     p.add_argument("--task", default=None,
                    help="code, math, chat, prose, json, json-grammar (json under each prompt's schema, as "

@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..drafting import drafter_names
 from ..model.llama import LlamaShape
 from ..tree import Tree
 from .costs import cost_grid, fit_cost_models
@@ -37,7 +38,7 @@ FORMAT = "entmtp-cost-table"
 VERSION = 1
 TARGET = "target_forward"
 DRAFTER_LEVEL = "drafter_level"
-DRAFTERS = ("medusa", "hydra", "eagle")
+DRAFTERS = drafter_names()  # the registered drafter kinds (entmtp_sglang.drafting)
 SHAPE_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
               "num_key_value_heads")  # what fixes the cost; positions and rope do not
 

@@ -1,4 +1,5 @@
-"""Drafting: fill every node of each request's tree with a candidate token.
+"""Drafting: fill every node of each request's tree with a candidate token (the protocol and the registry of
+kinds are in `entmtp_sglang.drafting`).
 
 Drafting is deterministic (top-k per parent): the child of rank r gets the drafter's r-th most likely
 token at that position. Each drafter works in two phases so a policy can look at the drafter's
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..drafting import Drafting, drafter_kind
 from ..model.drafters import EagleDraft, HydraHead, MedusaHeads
 from ..model.linear import linear
 from ..model.llama import LlamaForCausalLM
@@ -23,7 +25,7 @@ from .batch_tree import PaddedTrees, tree_attention_mask
 
 @dataclass
 class DraftState:
-    features: torch.Tensor  # (B, d) target feature f_{n-1}
+    features: torch.Tensor  # (B, D) target features of position n-1 (`Drafting.target_layers`)
     roots: torch.Tensor  # (B,) the known next tokens x_n
     root_logits: torch.Tensor  # (B, V) drafter logits over x_{n+1}
     extra: object = None
@@ -79,8 +81,8 @@ def _start(state: DraftState, trees: PaddedTrees, legal=None):
     return tokens, logprobs
 
 
-class MedusaDrafting:
-    def __init__(self, heads: MedusaHeads):
+class MedusaDrafting(Drafting):
+    def __init__(self, heads: MedusaHeads, target: LlamaForCausalLM | None = None):
         self.heads = heads
         self.max_depth = heads.max_depth
 
@@ -105,12 +107,9 @@ class MedusaDrafting:
         return [state.root_logits] + [self.heads.head_logits(state.features, k)
                                       for k in range(2, true_tokens.shape[1] + 1)]
 
-    def commit(self, *args, **kwargs) -> None:
-        """Medusa keeps no per-request state."""
 
-
-class HydraDrafting:
-    def __init__(self, head: HydraHead):
+class HydraDrafting(Drafting):
+    def __init__(self, head: HydraHead, target: LlamaForCausalLM | None = None):
         self.head = head
         self.max_depth = head.max_depth
 
@@ -145,12 +144,13 @@ class HydraDrafting:
             out.append(logits)
         return out
 
-    def commit(self, *args, **kwargs) -> None:
-        """Hydra keeps no per-request state between steps."""
 
+class EagleDrafting(Drafting):
+    """EAGLE with its own KV cache; slot j of a row holds position j + 1 (position 0 has no entry).
 
-class EagleDrafting:
-    """EAGLE with its own KV cache; slot j of a row holds position j + 1 (position 0 has no entry)."""
+    The draft model reads the target's features at committed positions and its own output (width
+    `state.extra.shape[-1]`) inside the tree, so a drafter whose features are wider than its output (EAGLE-3)
+    drafts through this class too."""
 
     def __init__(self, draft: EagleDraft, target: LlamaForCausalLM):
         self.draft = draft
@@ -197,9 +197,9 @@ class EagleDrafting:
     def expand(self, state: DraftState, trees: PaddedTrees, legal=None, after_level=None):
         """`after_level`: a staged decision after each drafted level (`_restage`)."""
         b, n = trees.parents.shape
-        d = state.features.shape[-1]
+        d = state.extra.shape[-1]  # the draft model's own output, fed to its children
         tokens, logprobs = _start(state, trees, legal)
-        outs = torch.zeros((b, n, d), dtype=state.features.dtype)
+        outs = torch.zeros((b, n, d), dtype=state.extra.dtype)
         outs[:, 0] = state.extra
         for depth in range(1, trees.max_depth):
             idx, ok = trees.level(depth, need_children=True)
@@ -239,11 +239,6 @@ class EagleDrafting:
         self.extend(path_tokens, path_feats, counts)
 
 
-def make_drafting(kind: str, module, target: LlamaForCausalLM):
-    if kind == "medusa":
-        return MedusaDrafting(module)
-    if kind == "hydra":
-        return HydraDrafting(module)
-    if kind == "eagle":
-        return EagleDrafting(module, target)
-    raise ValueError(f"unknown drafter {kind!r}")
+def make_drafting(kind: str, module, target: LlamaForCausalLM) -> Drafting:
+    """The drafting of a registered drafter kind (`entmtp_sglang.drafting.DRAFTER_KINDS`)."""
+    return drafter_kind(kind).build_drafting(module, target)

@@ -8,8 +8,11 @@ One decode step for a batch, each request with its own tree:
     accept  : greedy (longest path matching the target's argmax) or recursive rejection sampling
     commit  : move the accepted nodes' KV into place (compaction); root <- the target's next token
 
+The drafter is driven through the drafting protocol (`entmtp_sglang.drafting`): prefill once, then begin,
+expand and commit each step; the target hands it the features it reads (`Drafting.target_layers`).
+
 A chooser with a `rests(active)` hook may skip the drafter for a step (every active request decodes plainly,
-chain:0); EAGLE's draft cache then catches up on the skipped tokens in one pass before it drafts again.
+chain:0); a drafter with a draft cache then catches up on the skipped tokens in one commit before it drafts again.
 """
 
 from __future__ import annotations
@@ -138,7 +141,8 @@ class Engine:
             ids[i, : len(p)] = torch.tensor(p)
         pos = torch.arange(length).expand(b, length)
         causal = torch.ones(length, length, dtype=torch.bool).tril().expand(b, 1, length, length)
-        hidden = self.target(ids, pos, causal, cache, torch.zeros(b, dtype=torch.int64))
+        capture = drafting.target_layers
+        hidden, features = self._target(ids, pos, causal, cache, torch.zeros(b, dtype=torch.int64), capture)
         last = hidden[torch.arange(b), lens - 1]  # (B, d) = f_{L-1}
         grammars = grammars or [None] * b
         first = self.target.logits(last)
@@ -149,8 +153,7 @@ class Engine:
                 stuck[i] = not bool(allowed.any())
                 first[i] = first[i].masked_fill(~allowed, float("-inf")) if not stuck[i] else 0.0
         roots = self._pick(first, sampling, gen)
-        if self.drafter_kind == "eagle":
-            drafting.prefill(ids, lens, hidden, capacity)
+        drafting.prefill(ids, lens, features, capacity)
         for r, t, g, dead in zip(results, roots.tolist(), grammars, stuck):
             if dead:
                 r.finish_reason = "grammar_dead_end: no token of the vocabulary is allowed at the start"
@@ -160,18 +163,18 @@ class Engine:
                 g.advance([t])
         active = [not dead and not self._finished(r, max_new_tokens, g)
                   for r, g, dead in zip(results, grammars, stuck)]
-        feats = last
+        feats = features[torch.arange(b), lens - 1]  # (B, D): the drafter's features of position L-1
         rests = getattr(chooser, "rests", None)
-        deferred = []  # EAGLE draft-cache commits of the steps that rested the drafter
+        deferred = []  # the drafter's commits of the steps that rested it
 
         while any(active):
             t0 = time.perf_counter()
             if rests is not None and rests([i for i, a in enumerate(active) if a]):
                 feats, roots, commit = self._plain_step(feats, roots, lens, cache, sampling, gen, grammars,
-                                                        active, results, max_new_tokens, t0)
+                                                        active, results, max_new_tokens, t0, capture)
                 deferred.append(commit)
                 continue
-            if deferred and self.drafter_kind == "eagle":
+            if deferred:
                 drafting.commit(*_merge_commits(deferred))
             deferred = []
             state, legal = self._begin_step(drafting, feats, roots, grammars, active, grammar_drafting)
@@ -180,25 +183,26 @@ class Engine:
             views, chosen = self._choose_trees(chooser, state, results, active, lens, drafting)
             restage = chooser.restage if getattr(chooser, "staged", False) else None
             tokens, trees, staged = self._draft(drafting, state, chosen, legal, restage, active)  # as verified
-            accepted, hidden, logits = self._verify(tokens, trees, lens, cache, sampling, gen, grammars, active)
-            feats, roots, commit = self._commit(accepted, hidden, lens, cache, state, active)
-            if self.drafter_kind == "eagle":
-                drafting.commit(*commit)
+            accepted, features, logits = self._verify(tokens, trees, lens, cache, sampling, gen, grammars, active,
+                                                      capture)
+            feats, roots, commit = self._commit(accepted, features, lens, cache, state, active)
+            drafting.commit(*commit)
             names = [staged[i][0].name if i in staged else t.name for i, t in enumerate(chosen)]
             self._record(results, views, names, trees, accepted, logits, grammars, active,
                          max_new_tokens, time.perf_counter() - t0)
         return results
 
-    def _plain_step(self, feats, roots, lens, cache, sampling, gen, grammars, active, results, max_new_tokens, t0):
+    def _plain_step(self, feats, roots, lens, cache, sampling, gen, grammars, active, results, max_new_tokens, t0,
+                    capture=None):
         """A step that rests the drafter: every request verifies its root alone (chain:0). Returns the next
         features and roots, and the draft-cache commit to apply before the drafter runs again."""
         b = len(results)
         chain0 = Tree.chain(0)
         trees = [chain0] * b
         state = DraftState(feats, roots, None)
-        accepted, hidden, logits = self._verify(roots.view(b, 1).clone(), trees, lens, cache, sampling, gen,
-                                                grammars, active)
-        feats, roots, commit = self._commit(accepted, hidden, lens, cache, state, active)
+        accepted, features, logits = self._verify(roots.view(b, 1).clone(), trees, lens, cache, sampling, gen,
+                                                  grammars, active, capture)
+        feats, roots, commit = self._commit(accepted, features, lens, cache, state, active)
         views = [StepView(i, 0.0, (), sum(active), int(lens[i])) for i in range(b)]
         self._record(results, views, [chain0.name] * b, trees, accepted, logits, grammars, active,
                      max_new_tokens, time.perf_counter() - t0, rested=True)
@@ -338,15 +342,24 @@ class Engine:
                 tokens[i, : len(row)] = row
         return tokens, trees, staged
 
-    def _verify(self, tokens: torch.Tensor, trees: list, lens, cache, sampling, gen, grammars, active):
+    def _target(self, ids, positions, mask, cache, start, capture):
+        """The target's final-normed hidden states (B, T, d) and the drafter's features: those same states, or
+        with `capture` (the drafter's `target_layers`) the residual streams entering those layers (B, T, D)."""
+        if capture is None:
+            hidden = self.target(ids, positions, mask, cache, start)
+            return hidden, hidden
+        return self.target(ids, positions, mask, cache, start, capture=capture)
+
+    def _verify(self, tokens: torch.Tensor, trees: list, lens, cache, sampling, gen, grammars, active, capture=None):
         """One target pass over every node of every tree (tree attention), the grammar masks applied to
         the target's logits, and acceptance: greedy (longest path matching the target's argmax) or
-        recursive rejection sampling. Returns [(Accepted, node tokens)], hidden states, logits."""
+        recursive rejection sampling. Returns [(Accepted, node tokens)], the drafter's features at every
+        node (`_target`), logits."""
         padded = pad_trees(trees)
         b, n = tokens.shape
         positions = lens.view(b, 1) + padded.depths
         mask = tree_attention_mask(lens, padded)
-        hidden = self.target(tokens, positions, mask, cache, lens)  # (B, N, d)
+        hidden, features = self._target(tokens, positions, mask, cache, lens, capture)  # (B, N, d), (B, N, D)
         logits = self.target.logits(hidden)  # (B, N, V)
         alive = torch.ones(tokens.shape, dtype=torch.bool)  # (B, N): some token is allowed after the node
         for i, g in enumerate(grammars):
@@ -359,13 +372,13 @@ class Engine:
         node_tokens = [row[:k] for row, k in zip(tokens.tolist(), sizes)]
         if sampling.greedy:  # one batched call (kernels.verify_tree_greedy)
             argmax = logits.argmax(-1).masked_fill(~alive, NO_TOKEN)
-            return list(zip(verify_greedy_batch(padded.parents, sizes, tokens, argmax), node_tokens)), hidden, logits
+            return list(zip(verify_greedy_batch(padded.parents, sizes, tokens, argmax), node_tokens)), features, logits
         accepted = []
         for i, tree in enumerate(trees):
             probs = probs_from_logits(logits[i, : tree.num_nodes], sampling)
             probs = probs.masked_fill(~alive[i, : tree.num_nodes, None], 0.0)
             accepted.append((verify_sampling(tree, node_tokens[i], probs, gen), node_tokens[i]))
-        return accepted, hidden, logits
+        return accepted, features, logits
 
     def _commit(self, accepted: list[tuple[Accepted, list[int]]], hidden, lens, cache, state, active):
         """Compact the accepted nodes' KV to contiguous slots; return next features and roots."""

@@ -25,6 +25,10 @@ from .linear import Linear, linear
 from .llama import DecoderLayer, KVCache, LlamaShape, RMSNorm, Rotary
 
 
+class DrafterMismatch(ValueError):
+    """A drafter's config that does not fit the target it is loaded with."""
+
+
 class DraftVocabHead(nn.Module):
     """The target's output layer restricted to `draft_ids` (Vd,) target token ids.
 
@@ -82,6 +86,10 @@ class MedusaHeads(nn.Module):
         if self.head is not None:
             self.head.attach(target.lm_head_weight)
 
+    @classmethod
+    def from_config(cls, cfg: dict, target_shape: LlamaShape, draft_ids: torch.Tensor | None = None) -> "MedusaHeads":
+        return cls(target_shape.hidden_size, target_shape.vocab_size, cfg["num_heads"], draft_ids)
+
     @property
     def max_depth(self) -> int:
         return self.num_heads
@@ -123,6 +131,11 @@ class HydraHead(nn.Module):
             self._embed_weight = target.model.embed_tokens.weight.detach()
             self.lm_head.attach(target.lm_head_weight)
 
+    @classmethod
+    def from_config(cls, cfg: dict, target_shape: LlamaShape, draft_ids: torch.Tensor | None = None) -> "HydraHead":
+        return cls(target_shape.hidden_size, target_shape.vocab_size, cfg["num_heads"], target_shape.rms_norm_eps,
+                   draft_ids, cfg.get("mlp_width"))
+
     def embed_tokens(self, token: torch.Tensor) -> torch.Tensor:
         if self.embed is not None:
             return self.embed(token)
@@ -162,6 +175,14 @@ class EagleDraft(nn.Module):
         self.layers = nn.ModuleList([DecoderLayer(shape, input_norm=False)])
         self.rotary = Rotary(shape.head_dim, shape.rope_theta, shape.max_position_embeddings)
 
+    @classmethod
+    def from_config(cls, cfg: dict, target_shape: LlamaShape, draft_ids: torch.Tensor | None = None) -> "EagleDraft":
+        """cfg: the checkpoint's own Llama config (SGLang's layout), which must agree with the target's
+        vocabulary and width."""
+        shape = LlamaShape.from_config_dict(cfg)
+        check_fits(shape, target_shape)
+        return cls(shape, draft_ids)
+
     @property
     def max_depth(self) -> int:
         return 64  # autoregressive: limited only by the tree
@@ -184,6 +205,14 @@ class EagleDraft(nn.Module):
         return self.layers[0](x, positions, self.rotary, mask, cache, 0, start)
 
 
+def check_fits(shape: LlamaShape, target_shape: LlamaShape) -> None:
+    """A drafter with a Llama config of its own must share the target's vocabulary and width."""
+    bad = [f"{k} {getattr(shape, k)} (the target's {getattr(target_shape, k)})"
+           for k in ("vocab_size", "hidden_size") if getattr(shape, k) != getattr(target_shape, k)]
+    if bad:
+        raise DrafterMismatch(f"its {' and '.join(bad)}")
+
+
 SHARED_WEIGHTS = ("embed_tokens.weight", "embed.weight")  # never stored by drafters that share the target's
 
 
@@ -195,4 +224,4 @@ def build_drafter(kind: str, shape: LlamaShape, num_heads: int = 5, draft_ids: t
         return HydraHead(shape.hidden_size, shape.vocab_size, num_heads, shape.rms_norm_eps, draft_ids, mlp_width)
     if kind == "eagle":
         return EagleDraft(shape, draft_ids)
-    raise ValueError(f"unknown drafter {kind!r}; choose one of medusa, hydra, eagle")
+    raise ValueError(f"build_drafter makes medusa, hydra and eagle drafters for training, not {kind!r}")

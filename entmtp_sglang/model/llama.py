@@ -266,18 +266,28 @@ class LlamaForCausalLM(nn.Module):
         return KVCache(s.num_hidden_layers, batch, s.num_key_value_heads, capacity, s.head_dim,
                        dtype or p.dtype, device or p.device)
 
-    def forward(self, input_ids, positions=None, mask=None, cache=None, start=None):
+    def forward(self, input_ids, positions=None, mask=None, cache=None, start=None, capture=None):
         """input_ids, positions: (B, T). mask: bool (B, 1, T, S) over cache slots, or None for causal.
 
         With a cache, the new keys/values go to slots start[b] .. start[b]+T-1 and `mask` must cover
-        slots [0, S). Returns hidden states (B, T, d) after the final norm.
+        slots [0, S). Returns hidden states (B, T, d) after the final norm; with `capture` (layer indices) also
+        the residual stream entering each of those layers, concatenated in that order: (B, T, len(capture) * d)
+        (SGLang's `layers_to_capture`, what an EAGLE-3 drafter fuses).
         """
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
         x = self.model.embed_tokens(input_ids)
+        captured = {}
         for i, layer in enumerate(self.model.layers):
+            if capture is not None and i in capture:
+                captured[i] = x
             x = layer(x, positions, self.rotary, mask, cache, i, start)
-        return self.model.norm(x)
+        if capture is None:
+            return self.model.norm(x)
+        missing = [i for i in capture if i not in captured]
+        if missing:
+            raise ValueError(f"capture layers {missing} are not among the target's {len(self.model.layers)} layers")
+        return self.model.norm(x), torch.cat([captured[i] for i in capture], dim=-1)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return linear(hidden, self.lm_head_weight)

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from .drafters import SHARED_WEIGHTS, build_drafter
+from ..drafting import drafter_kind
+from .drafters import SHARED_WEIGHTS, DrafterMismatch
 from .llama import LlamaForCausalLM, LlamaShape
 
 BUNDLED_MODEL = Path(__file__).resolve().parent.parent / "models" / "entmtp-tiny"
-DRAFTERS = ("medusa", "hydra", "eagle")
 
 
 class ModelDirError(FileNotFoundError):
@@ -93,8 +93,7 @@ def check_drafter_target(cfg: dict, drafter_dir: Path, target: LlamaForCausalLM 
 def load_drafter(model_dir: Path, kind: str, dtype: torch.dtype = torch.float32,
                  target: LlamaForCausalLM | None = None) -> torch.nn.Module:
     """Load `model_dir/kind`; drafters that share the target's embedding or output layer need `target`."""
-    if kind not in DRAFTERS:
-        raise ValueError(f"unknown drafter {kind!r}; choose one of {', '.join(DRAFTERS)}")
+    spec = drafter_kind(kind)  # ValueError for an unknown kind
     d = Path(model_dir) / kind
     cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").exists() else None
     if cfg is None:
@@ -108,16 +107,10 @@ def load_drafter(model_dir: Path, kind: str, dtype: torch.dtype = torch.float32,
     foreign = "was it trained for another model?"
     try:
         target_shape = target.shape if target is not None else LlamaShape.from_json(Path(model_dir) / "config.json")
-        if kind == "eagle":
-            shape = LlamaShape.from_config_dict(cfg)
-            bad = [f"{k} {getattr(shape, k)} (the target's {getattr(target_shape, k)})"
-                   for k in ("vocab_size", "hidden_size") if getattr(shape, k) != getattr(target_shape, k)]
-            if bad:
-                raise ModelDirError(f"{d} does not fit the target in {model_dir}: its {' and '.join(bad)}; {foreign}")
-            module = build_drafter(kind, shape, draft_ids=draft_ids)
-        else:
-            module = build_drafter(kind, target_shape, num_heads=cfg["num_heads"], draft_ids=draft_ids,
-                                   mlp_width=cfg.get("mlp_width"))
+        try:
+            module = spec.module_class().from_config(cfg, target_shape, draft_ids)
+        except DrafterMismatch as e:
+            raise ModelDirError(f"{d} does not fit the target in {model_dir}: {e}; {foreign}") from None
         state = _state(d / "model.safetensors", dtype)
         own = module.state_dict()
         bad = [(k, tuple(v.shape), tuple(own[k].shape)) for k, v in state.items()

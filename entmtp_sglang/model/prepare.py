@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..drafting import drafter_names
+
 CACHE_ENV = "ENTMTP_CACHE"
 DEFAULT_CACHE = Path("~/.cache/entmtp")
 STAMP = "entmtp_prepared.json"
@@ -141,7 +143,7 @@ def _convert(gguf: Path, out: Path, log) -> None:
 def _install_drafters(spec: PypiModel, model_dir: Path, log) -> None:
     """Copy (or refresh) the committed drafters into the prepared model directory."""
     src = shipped_drafters(spec)
-    for kind in ("medusa", "hydra", "eagle"):
+    for kind in drafter_names():
         s, d = src / kind, model_dir / kind
         if not (s / "config.json").exists():
             continue

@@ -23,13 +23,14 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..drafting import drafter_names
 from .acceptance import AcceptancePredictor
 from .topology import Tree, TreeError
 
 FORMAT = "entmtp-tree-set"
 VERSION = 1
 SIGNALS = ("draft_entropy", "draft_margin", "target_window", "target_ema")  # defined in policy/signals.py
-DRAFTERS = ("medusa", "hydra", "eagle")
+DRAFTERS = drafter_names()  # the registered drafter kinds (entmtp_sglang.drafting)
 
 
 class TreeSetError(ValueError):
