@@ -16,7 +16,9 @@ the steps this server times (the set's costs are the prior; `ENTMTP_ONLINE_COSTS
 `ENTMTP_MAX_REST` caps how long the drafter rests after backing off to chain:0 (1, 2, 4, ... steps, default 16;
 0: never rest, run the drafter every step). `ENTMTP_GRAMMAR_DRAFT=0`
 turns off the grammar-masked entropy and drafts of constrained requests (on by default; needs the overlap
-scheduler off, as on CPU). `ENTMTP_POLICY` picks how trees are scored: `entmtp` (default: the set's per-node
+scheduler off, as on CPU). `ENTMTP_PER_ROW_TREES=0` goes back to one tree for the whole batch (by default each
+request drafts its own tree at a node count and depth the batch shares; policy/budget.py `allocate_shared`).
+`ENTMTP_POLICY` picks how trees are scored: `entmtp` (default: the set's per-node
 acceptance predictor when it carries one, else its signal bins), `entmtp-bins` or `entmtp-predictor`.
 """
 
@@ -41,6 +43,7 @@ ENV_ONLINE_COSTS = "ENTMTP_ONLINE_COSTS"  # "0": keep a calibrated set's step co
 ENV_PROFILE = "ENTMTP_PROFILE"         # a file: seconds per stage of every decode step (profile.py)
 ENV_TREE_TRACE = "ENTMTP_TREE_TRACE"   # a directory: each rank appends its tree per decode step (debugging)
 ENV_MAX_REST = "ENTMTP_MAX_REST"       # the longest run of steps without the drafter after backing off
+ENV_PER_ROW = "ENTMTP_PER_ROW_TREES"   # "0": one tree for the whole batch (default: each request its own tree)
 PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
 
 
@@ -114,6 +117,7 @@ class EntMtpConfig:
     generic_depth: int = 4          # the generic set's depth and width (zero-setup start)
     generic_topk: int = 2
     max_rest: int = SGLANG_MAX_REST  # ENTMTP_MAX_REST: steps without the drafter after a back-off (1, 2, 4, ...)
+    per_row: bool = True            # ENTMTP_PER_ROW_TREES: each request its own tree at a shape the batch shares
 
     def __post_init__(self):
         if self.policy not in SERVER_POLICIES:
@@ -142,7 +146,7 @@ class EntMtpConfig:
                    force=_flag(ENV_FORCE), record_path=Path(record) if record else None, online=_flag(ENV_ONLINE),
                    online_costs=_flag(ENV_ONLINE_COSTS, "1"),
                    generic_depth=int(steps) if steps else 4, generic_topk=int(topk) if topk else 2,
-                   max_rest=_int(ENV_MAX_REST, SGLANG_MAX_REST))
+                   max_rest=_int(ENV_MAX_REST, SGLANG_MAX_REST), per_row=_flag(ENV_PER_ROW, "1"))
 
     @property
     def uncalibrated(self) -> bool:

@@ -52,8 +52,8 @@ from .sglang_api import (
     per_step_draft_out_cache_loc,
 )
 from .shapes import Shape, ShapeStates
-from .tree_index import TreeIndex, draft_tree
-from .tree_plan import plan_tree
+from .tree_index import RowIndex, ShapeIndex, TreeIndex, draft_rows, draft_tree
+from .tree_plan import TreePlan, plan_tree
 
 logger = logging.getLogger("entmtp_sglang.sglang")
 
@@ -104,6 +104,12 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.plans = [plan_tree(t.tree, self.topk, t.tree.max_depth) for t in self.tree_set.trees]
         # every index tensor a tree's draft needs, built once per tree on the server's device
         self.indices = [TreeIndex.build(p, target_worker.model_runner.device) for p in self.plans]
+        # each request its own tree (ENTMTP_PER_ROW_TREES, default on): per shape of the set (D levels, N nodes),
+        # every tree of N nodes and depth <= D laid out on D draft steps and stacked, gathered by tree id per row
+        self.shape_index = (shape_indices([t.tree for t in self.tree_set.trees], self.topk,
+                                          target_worker.model_runner.device) if self.config.per_row else {})
+        self._rows: RowIndex | None = None         # this step's per-row draft indices (None: one tree)
+        self._row_plans: list[TreePlan] = []       # this step's tree of each row, laid out on the step's levels
         self.signal = self.tree_set.signal         # draft_entropy or draft_margin (config checks)
         self.controller = TreeController.for_tree_set(self.tree_set, self.config.policy != "entmtp-bins",
                                                       hysteresis=self.config.hysteresis,
@@ -272,7 +278,7 @@ class EntMtpWorker(EAGLEWorkerV2):
 
     def _choose(self, batch) -> None:
         reqs = batch.reqs
-        plan, index, h = None, None, float("nan")
+        plan, index, h, ids = None, None, float("nan"), None
         self._resting = False
         try:
             plain = needs_plain_decoding(reqs)   # penalties: one token per step keeps them exact
@@ -290,7 +296,11 @@ class EntMtpWorker(EAGLEWorkerV2):
                                    self._pin(r) or probe) for r in reqs]
             known = [x.signal for x in inputs if x.signal != unknown]
             h = sum(known) / len(known) if known else unknown
-            idx = self.controller.choose(inputs, len(reqs))
+            if self.shape_index and self.observer is None:   # each request its own tree at a shared shape
+                ids = self.controller.choose_rows(inputs, len(reqs))
+                idx = None if ids is None else max(ids, key=lambda i: self.plans[i].num_steps)  # sets the shape
+            else:   # one tree for the batch (and while recording: the observer records one tree per step)
+                idx = self.controller.choose(inputs, len(reqs))
             if idx is not None:
                 plan, index = self.plans[idx], self.indices[idx]
             if plan is None or plan.num_steps == 0:   # chain:0 or no room: this step rests the drafter
@@ -300,15 +310,24 @@ class EntMtpWorker(EAGLEWorkerV2):
         except Exception:   # the policy must never fail a request: decode plainly this step
             logger.exception("ENTMTP: tree choice failed; this step decodes without speculation")
             self._pending.clear()
+            plan, index, ids = None, None, None
         self._plan, self._tree_index = plan, index
         self._chosen = self._index_by_name.get(plan.tree.name if plan is not None else "chain:0")
         name = plan.tree.name if plan is not None else ("rest" if self._resting else "plain")
         n, steps = (plan.num_nodes, plan.num_steps) if plan is not None else (1, 0)
-        self.histogram[name] += 1
+        self._rows, self._row_plans = None, []
+        names = [name] * len(reqs)
+        if ids is not None and plan is not None and steps > 0:
+            shape = self.shape_index[(steps, n)]
+            positions = [shape.position(i) for i in ids]
+            self._rows = shape.gather(torch.tensor(positions, dtype=torch.long, device=batch.seq_lens.device))
+            self._row_plans = [shape.plans[k] for k in positions]
+            names = [self.plans[i].tree.name for i in ids]
+        self.histogram.update(names)   # per request: each row's tree (rest, plain: the whole batch's)
         self.steps += 1
         self._step_reqs = list(reqs)
-        for r in reqs:
-            visibility.note(r, visibility.TREES, name)
+        for r, row_name in zip(reqs, names):
+            visibility.note(r, visibility.TREES, row_name)
         dw = self._draft_worker
         states = self.shape_states
         state = states.state_of(self._chosen) if plan is not None and states is not None else None
@@ -320,7 +339,7 @@ class EntMtpWorker(EAGLEWorkerV2):
             self.speculative_num_steps = dw.speculative_num_steps = steps
             get_context().override("entmtp.tree", speculative_num_draft_tokens=n, speculative_num_steps=steps)
             self._state = None
-        self._trace(reqs, name)
+        self._trace(reqs, name, names)
         if plan is not None and steps > 1:
             backend = dw.draft_attn_backend
             if not isinstance(backend, MultiStepDraftBackend):
@@ -328,10 +347,11 @@ class EntMtpWorker(EAGLEWorkerV2):
                                    "the server with --attention-backend entmtp_torch (CPU) or "
                                    "--speculative-draft-attention-backend entmtp_torch (GPU) (draft backend: "
                                    f"{type(backend).__name__})")
-            backend.set_draft_rows(list(index.row_offsets), list(index.row_valid))
+            rows = self._rows if self._rows is not None else index
+            backend.set_draft_rows(list(rows.row_offsets), list(rows.row_valid))
         if time.monotonic() - self.last_log > self.config.log_interval_s:
             self.last_log = time.monotonic()
-            logger.info("ENTMTP trees chosen over %d steps: %s (last batch mean %s %.2f)", self.steps,
+            logger.info("ENTMTP trees chosen per request over %d steps: %s (last batch mean %s %.2f)", self.steps,
                         ", ".join(f"{k}={v}" for k, v in self.histogram.most_common()), self.signal, h)
 
     # -- resting ------------------------------------------------------------------------------------
@@ -450,15 +470,16 @@ class EntMtpWorker(EAGLEWorkerV2):
                 if sig is not None:
                     self.signals[rid], self.probs[rid] = sig, probs
 
-    def _trace(self, reqs, name: str) -> None:
+    def _trace(self, reqs, name: str, names: list[str]) -> None:
         """ENTMTP_TREE_TRACE=DIR: one JSON line per decode step in this rank's file, so ranks can be compared; with
-        the runtime state the step runs in ([draft levels, tokens verified]; null when resting)."""
+        the runtime state the step runs in ([draft levels, tokens verified]; null when resting), the tree that set
+        it (`tree`) and each request's own tree (`trees`, in `rids` order)."""
         if self._trace_path is not None:
             state = self._state
             shape = None if state is None else [state.speculative_num_steps, state.speculative_num_draft_tokens]
             with open(self._trace_path, "a") as f:
                 f.write(json.dumps({"step": self.steps, "tree": name, "state": shape,
-                                    "rids": [r.rid for r in reqs]}) + "\n")
+                                    "rids": [r.rid for r in reqs], "trees": names}) + "\n")
 
     def _pin(self, req) -> str | None:
         """The tree this request pins, if the set holds it (an unknown name is logged once and ignored)."""
@@ -552,6 +573,10 @@ class EntMtpWorker(EAGLEWorkerV2):
         spec_info = forward_batch.spec_info
         if forward_batch.forward_mode.is_idle():
             return dw._draft_forward_idle(forward_batch, spec_info)
+        rows = self._rows
+        if rows is not None and rows.parent_list.shape[0] != spec_info.topk_index.shape[0]:
+            raise RuntimeError(f"ENTMTP: per-row trees for {rows.parent_list.shape[0]} rows, the draft has "
+                               f"{spec_info.topk_index.shape[0]}")
         topk, steps = self.topk, plan.num_steps
         root_top = spec_info.topk_index                        # (bs, topk) root children by rank
         hot = self.hot_token_id
@@ -578,13 +603,19 @@ class EntMtpWorker(EAGLEWorkerV2):
             forward_batch.positions.add_(1)
             return out.next_token_logits.view(bs, topk, -1), out.hidden_states.view(bs, topk, -1)
 
+        row_plans = self._row_plans if rows is not None else [plan] * bs
+
         def on_level(level, top, logits, tokens):   # eager only: records and grammar masks read the host
             if self.observer is not None:
                 self.observer.expanded(plan.columns[level], logits, hot)
             if grammars and level + 1 < steps:
-                self._grammar_children(top, logits, plan.columns[level], tokens, plan, grammars)
+                self._grammar_children(top, logits, level, tokens, row_plans, grammars)
 
         eager = self.observer is not None or bool(grammars)
+        if rows is not None:   # each row its own tree
+            tokens = draft_rows(rows, root_top, spec_info.hidden_states, forward_level, hot,
+                                on_level if eager else None)
+            return rows.parent_list, rows.selected, tokens.gather(1, rows.selected_nodes), None
         tokens = draft_tree(index, root_top, spec_info.hidden_states, forward_level, hot,
                             on_level if eager else None)
         if self.observer is not None:
@@ -605,11 +636,14 @@ class EntMtpWorker(EAGLEWorkerV2):
             logger.exception("ENTMTP: grammar-aware drafting failed; unmasked drafts this node")
             return None
 
-    def _grammar_children(self, top, logits, col, token, plan, grammars) -> None:
-        """Replace, for constrained rows, each drafted node's children by the top-k its grammar allows."""
-        parents = plan.tree.parents
+    def _grammar_children(self, top, logits, level, token, plans, grammars) -> None:
+        """Replace, for constrained rows, each drafted node's children by the top-k its grammar allows, following
+        each row's own tree (`plans[row]`)."""
         host = token.tolist()                      # (bs, num_nodes): the nodes drafted so far
         for row, g in grammars.items():
+            plan = plans[row]
+            parents = plan.tree.parents
+            col = plan.columns[level] if level < len(plan.columns) else ()
             for c, n in enumerate(col):
                 path, a = [], n
                 while a != 0:
@@ -664,3 +698,17 @@ def _trace_path(trace_dir: str | None) -> Path | None:
     tp_rank = getattr(get_parallel(), "tp_rank", 0)
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
     return Path(trace_dir) / f"trees-tp{tp_rank}-pid{os.getpid()}.jsonl"
+
+
+def shape_indices(trees, topk: int, device) -> dict[tuple[int, int], ShapeIndex]:
+    """(levels D, nodes N) -> the `ShapeIndex` of every tree of the set with N nodes and depth 1..D, laid out on D
+    draft steps: one per speculating shape of the set (each tree's own (depth, nodes)), the shapes a step runs in
+    when its rows take different trees (`TreeController.choose_rows`: one node count, the deepest row's levels)."""
+    out: dict[tuple[int, int], ShapeIndex] = {}
+    for tree in trees:
+        shape = (tree.max_depth, tree.num_nodes)
+        if tree.max_depth == 0 or shape in out:
+            continue
+        ids = [i for i, t in enumerate(trees) if t.num_nodes == tree.num_nodes and 1 <= t.max_depth <= tree.max_depth]
+        out[shape] = ShapeIndex.build(ids, [plan_tree(trees[i], topk, tree.max_depth) for i in ids], device)
+    return out
