@@ -304,3 +304,18 @@ def test_per_row_drafting_reads_nothing_from_the_host():
         tokens = draft_rows(rows, root_top, root_hidden, level, hot)
     assert tokens.shape == (4, 6) and tokens.device.type == "meta"
     assert rows.parent_list.shape == (4, 1 + 2 * 5) and rows.row_offsets[0].shape[:2] == (4, 5)
+
+
+def test_a_sets_shapes_stack_its_trees_of_one_node_count():
+    """`ShapeIndex.for_trees`: one stack per speculating (depth, nodes) of the set, holding the set's trees of
+    those nodes and at most that depth, laid out on that many draft steps; chain:0 has none."""
+    ts = load_tree_set(TREES / "smollm2-135m-instruct-eagle-mixed-sglang.json")
+    trees = [t.tree for t in ts.trees]
+    shapes = ShapeIndex.for_trees(trees, 5)
+    assert set(shapes) == {(t.max_depth, t.num_nodes) for t in trees if t.max_depth}
+    for (depth, n), shape in shapes.items():
+        assert {trees[i].name for i in shape.trees} == {t.name for t in trees
+                                                         if t.num_nodes == n and 1 <= t.max_depth <= depth}
+        assert all(p.num_steps == depth and p.num_nodes == n for p in shape.plans)
+        assert shape.stack.levels == depth - 1 and shape.stack.parent_list.shape == (len(shape.trees),
+                                                                                     1 + (depth - 1) * 5)

@@ -10,8 +10,10 @@ stateful lives here once:
   the request's signal bin (`selector.binned_expected` / `selector.predicted_expected`);
 * acceptance feedback: per request, clip((accepted + prior) / (expected + prior)) scales its expectations
   (`selector.acceptance_scale`), so a request whose drafts are accepted less than calibrated backs off;
-* one tree for the whole batch: argmax over the set of (sum of expected tokens) / step cost at the batch's
-  row count (`selector.select_by_expected`), chain:0 included, so it backs off to plain decoding;
+* one tree for the whole batch (`choose`): argmax over the set of (sum of expected tokens) / step cost at the
+  batch's row count (`selector.select_by_expected`), chain:0 included, so it backs off to plain decoding;
+  or each request its own tree at a node count the batch shares (`choose_rows`, `budget.allocate_shared`),
+  with hysteresis and pins per request;
 * hysteresis: the group's current tree is kept unless another is expected to be `hysteresis` faster;
 * pins: when every request of the batch names the same tree of the set (`pin`), that tree;
 * room: no tree with more nodes than the least room any request has before its context limit;

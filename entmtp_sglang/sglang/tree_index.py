@@ -12,11 +12,12 @@ Pure torch over `tree_plan.TreePlan`; no SGLang import.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
-from .tree_plan import TreePlan
+from ..tree import Tree
+from .tree_plan import TreePlan, plan_tree
 
 
 def _long(values, device) -> torch.Tensor:
@@ -199,6 +200,22 @@ class ShapeIndex:
                          torch.stack([i.selected_nodes for i in idx]), tuple(offsets), tuple(valid))
         stack = RowIndex(n, topk, *(_to(f, device) for f in _fields(stack)))
         return cls(tuple(trees), tuple(plans), stack)
+
+    @classmethod
+    def for_trees(cls, trees: Sequence[Tree], topk: int, device: torch.device | str = "cpu"
+                  ) -> dict[tuple[int, int], ShapeIndex]:
+        """(levels D, nodes N) -> the stack of every tree of `trees` with N nodes and depth 1..D, laid out on D
+        draft steps, tree ids their indices in `trees`: one per speculating shape of the set (each tree's own
+        (depth, nodes)), the shapes a step runs in when its rows draft different trees of one node count."""
+        out: dict[tuple[int, int], ShapeIndex] = {}
+        for tree in trees:
+            shape = (tree.max_depth, tree.num_nodes)
+            if tree.max_depth == 0 or shape in out:
+                continue
+            ids = [i for i, t in enumerate(trees)
+                   if t.num_nodes == tree.num_nodes and 1 <= t.max_depth <= tree.max_depth]
+            out[shape] = cls.build(ids, [plan_tree(trees[i], topk, tree.max_depth) for i in ids], device)
+        return out
 
     def position(self, tree: int) -> int:
         """Where tree id `tree` sits in the stack (what `gather` takes)."""

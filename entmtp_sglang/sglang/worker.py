@@ -1,23 +1,28 @@
-"""The ENTMTP worker: SGLang's EAGLEWorkerV2 drafting one tree of a tree set per decode step.
+"""The ENTMTP worker: SGLang's EAGLEWorkerV2 drafting, per decode step, each request its own tree of a tree set.
 
-Per step (per batch: SGLang verifies one `draft_token_num` per batch, so every request of a batch gets the
-same tree):
+SGLang verifies one `draft_token_num` per batch (a strided `bs x N` layout), so the rows of one step share a
+shape: N nodes each, and the draft levels of the deepest row's tree. Within it every request drafts its own tree.
+Per step:
 1. signal: each request's draft signal (the tree set's: entropy, or top-1 margin; policy/signals.py) of
    its next root distribution, computed from the logits the draft-extend pass already produced (no extra
    forward). For a request under a grammar (`json_schema`, `regex`, `ebnf`) it is taken over the tokens
    the grammar allows next (grammar_draft.py);
-2. `TreeController.choose` (policy/controller.py: the same policy object as the reference engine's, with
-   its acceptance feedback, hysteresis, pins and room cap) picks one tree for the batch from every
-   request's signal bin or, when the set carries an acceptance predictor, its depth-1 draft
-   probabilities; chain:0 in the set means this step decodes without speculation. The tree's node count
-   becomes this step's `speculative_num_draft_tokens`;
-3. the draft expands that tree level by level (each drafted node attends exactly to its ancestors, via
-   `entmtp_torch`'s per-row draft slots); a constrained request's drafts are the top-k among the tokens its
-   grammar allows after the node's path. The draft hands SGLang the same candidate encoding EAGLE uses, so
-   verification, acceptance, KV compaction and grammar walking are SGLang's own code.
+2. `TreeController.choose_rows` (policy/controller.py, over policy/budget.py's `allocate_shared`: the same
+   policy object as the reference engine's, with per-request acceptance feedback, hysteresis, pins and room)
+   picks, per request, the tree of the step's node count expecting the most tokens for it, and the node count
+   and depth for the most expected tokens per second of the whole step; chain:0 for every request means this
+   step decodes without speculation. `ENTMTP_PER_ROW_TREES=0` (or recording, `ENTMTP_RECORD`) goes back to
+   one tree for the batch (`TreeController.choose`). The shape's node count becomes this step's
+   `speculative_num_draft_tokens`, its depth `speculative_num_steps` (shapes.py: one runtime state each);
+3. the draft expands each row's tree level by level on per-row indices gathered by tree id on device
+   (tree_index.py `ShapeIndex`/`draft_rows`); each drafted node attends exactly to its ancestors, via
+   `entmtp_torch`'s per-row draft slots. A constrained request's drafts are the top-k among the tokens its
+   grammar allows after the node's path in its own tree. The draft hands SGLang the same candidate encoding
+   EAGLE uses, one `parent_list`/`selected` per row, so verification, acceptance, KV compaction and grammar
+   walking are SGLang's own code.
 
 Decisions depend only on logits and accepted counts, which are identical on every tensor-parallel rank,
-and on the batch size, so every rank picks the same tree (online calibration, below, refits step costs from
+and on the batch size, so every rank picks the same trees (online calibration, below, refits step costs from
 timed steps only in a single-rank server: wall times differ between ranks).
 """
 
@@ -106,8 +111,8 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.indices = [TreeIndex.build(p, target_worker.model_runner.device) for p in self.plans]
         # each request its own tree (ENTMTP_PER_ROW_TREES, default on): per shape of the set (D levels, N nodes),
         # every tree of N nodes and depth <= D laid out on D draft steps and stacked, gathered by tree id per row
-        self.shape_index = (shape_indices([t.tree for t in self.tree_set.trees], self.topk,
-                                          target_worker.model_runner.device) if self.config.per_row else {})
+        self.shape_index = (ShapeIndex.for_trees([t.tree for t in self.tree_set.trees], self.topk,
+                                                 target_worker.model_runner.device) if self.config.per_row else {})
         self._rows: RowIndex | None = None         # this step's per-row draft indices (None: one tree)
         self._row_plans: list[TreePlan] = []       # this step's tree of each row, laid out on the step's levels
         self.signal = self.tree_set.signal         # draft_entropy or draft_margin (config checks)
@@ -698,17 +703,3 @@ def _trace_path(trace_dir: str | None) -> Path | None:
     tp_rank = getattr(get_parallel(), "tp_rank", 0)
     Path(trace_dir).mkdir(parents=True, exist_ok=True)
     return Path(trace_dir) / f"trees-tp{tp_rank}-pid{os.getpid()}.jsonl"
-
-
-def shape_indices(trees, topk: int, device) -> dict[tuple[int, int], ShapeIndex]:
-    """(levels D, nodes N) -> the `ShapeIndex` of every tree of the set with N nodes and depth 1..D, laid out on D
-    draft steps: one per speculating shape of the set (each tree's own (depth, nodes)), the shapes a step runs in
-    when its rows take different trees (`TreeController.choose_rows`: one node count, the deepest row's levels)."""
-    out: dict[tuple[int, int], ShapeIndex] = {}
-    for tree in trees:
-        shape = (tree.max_depth, tree.num_nodes)
-        if tree.max_depth == 0 or shape in out:
-            continue
-        ids = [i for i, t in enumerate(trees) if t.num_nodes == tree.num_nodes and 1 <= t.max_depth <= tree.max_depth]
-        out[shape] = ShapeIndex.build(ids, [plan_tree(trees[i], topk, tree.max_depth) for i in ids], device)
-    return out
