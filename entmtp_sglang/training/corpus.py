@@ -12,11 +12,14 @@ Splits (no benchmark item ever enters training):
 
 from __future__ import annotations
 
+import ast
 import gzip
 import hashlib
 import json
 import random
 import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 from .json_docs import dumps, instance, schema_prompt, schema_title
@@ -66,6 +69,44 @@ def stdlib_files() -> list[Path]:
             continue
         out.append(p)
     return out
+
+
+@dataclass(frozen=True)
+class StdlibFunction:
+    """A public function of the standard library with an ASCII docstring."""
+
+    path: str  # relative to the stdlib folder
+    doc: str
+    signature: str  # 'def name(args) -> ret:' and the docstring indented, as a completion prompt shows it
+    source: str  # the function's lines as written in the file
+
+
+def stdlib_functions() -> Iterator[StdlibFunction]:
+    """Every public function (`ast.FunctionDef`, no leading underscore) with an ASCII docstring in the stdlib files
+    (`stdlib_files`, the code validation files left out), file by file in `ast.walk` order; files that do not parse
+    are skipped. The one parse loop behind the code prompts (`distill_data`) and code Q&A (`fixed_data`)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in stdlib_files():
+        if path.name in CODE_VAL_FILES:
+            continue
+        try:
+            source = path.read_text(encoding="utf-8", errors="replace")
+            tree = ast.parse(source)
+        except (SyntaxError, ValueError):
+            continue
+        lines = source.splitlines(keepends=True)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+                continue
+            doc = ast.get_docstring(node)
+            if not doc or not doc.isascii():
+                continue
+            args = ast.unparse(node.args)
+            ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
+            body = "\n".join("    " + ln if ln else "" for ln in doc.splitlines())
+            yield StdlibFunction(str(path.relative_to(root)), doc,
+                                 f'def {node.name}({args}){ret}:\n    """{body.strip()}\n    """\n',
+                                 "".join(lines[node.lineno - 1:node.end_lineno]))
 
 
 def sharegpt_conversations(raw: bytes, limit: int):

@@ -19,16 +19,14 @@ shard (`gen/shard-NNNNN.pt`), so an interrupted run resumes at the next shard.
 from __future__ import annotations
 
 import argparse
-import ast
 import functools
 import json
 import random
-import sysconfig
 import time
 from pathlib import Path
 
 from ..tasks import load_prompts
-from .corpus import CODE_VAL_FILES, _is_english, load_schemas, sharegpt_conversations, stdlib_files
+from .corpus import _is_english, load_schemas, sharegpt_conversations, stdlib_functions
 from .json_docs import schema_prompt, schema_title
 from .sources import WheelData
 
@@ -74,28 +72,8 @@ def code_prompts(n: int, rng: random.Random, skip: frozenset = frozenset()) -> l
 
 @functools.cache
 def _stdlib_functions() -> tuple[tuple[str, str], ...]:
-    root = Path(sysconfig.get_paths()["stdlib"])
-    found = []
-    for path in stdlib_files():
-        if path.name in CODE_VAL_FILES:
-            continue
-        try:
-            source = path.read_text(encoding="utf-8", errors="replace")
-            tree = ast.parse(source)
-        except (SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            if not doc or not 40 <= len(doc) <= 500 or not doc.isascii():
-                continue
-            args = ast.unparse(node.args)
-            ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
-            body = "\n".join("    " + ln if ln else "" for ln in doc.splitlines())
-            found.append((str(path.relative_to(root)),
-                          f'def {node.name}({args}){ret}:\n    """{body.strip()}\n    """\n'))
-    return tuple(found)
+    """(file, signature with docstring) of the stdlib functions whose docstring has 40-500 characters."""
+    return tuple((f.path, f.signature) for f in stdlib_functions() if 40 <= len(f.doc) <= 500)
 
 
 def chat_prompts(data: WheelData, n: int, rng: random.Random, max_chars: int = 900,

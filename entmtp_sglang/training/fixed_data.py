@@ -52,7 +52,6 @@ shipped drafters) is not rebuilt here; where its runs are present the summary na
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import json
 import os
@@ -181,31 +180,15 @@ def _code_files(rng: random.Random) -> list[Doc]:
 
 def _code_qa(rng: random.Random) -> list[Doc]:
     """Public stdlib functions with docstrings: the signature and docstring asked, the real source answered."""
-    from .corpus import CODE_VAL_FILES, stdlib_files
+    from .corpus import stdlib_functions
 
     out = []
-    for path in stdlib_files():
-        if path.name in CODE_VAL_FILES:
+    for f in stdlib_functions():
+        body = f.source.rstrip()
+        if not 40 <= len(f.doc) <= 800 or not body or len(body) > 4000:
             continue
-        try:
-            source = path.read_text(encoding="utf-8", errors="replace")
-            tree = ast.parse(source)
-        except (SyntaxError, ValueError):
-            continue
-        lines = source.splitlines(keepends=True)
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
-                continue
-            doc = ast.get_docstring(node)
-            body = "".join(lines[node.lineno - 1:node.end_lineno]).rstrip()
-            if not doc or not 40 <= len(doc) <= 800 or not doc.isascii() or not body or len(body) > 4000:
-                continue
-            args = ast.unparse(node.args)
-            ret = f" -> {ast.unparse(node.returns)}" if node.returns else ""
-            docl = "\n".join("    " + ln if ln else "" for ln in doc.splitlines())
-            sig = f'def {node.name}({args}){ret}:\n    """{docl.strip()}\n    """\n'
-            out.append(Doc("code-qa", (("user", f"Complete the following Python function.\n\n```python\n{sig}```"),
-                                       ("assistant", f"```python\n{textwrap.dedent(body)}\n```"))))
+        out.append(Doc("code-qa", (("user", f"Complete the following Python function.\n\n```python\n{f.signature}```"),
+                                   ("assistant", f"```python\n{textwrap.dedent(body)}\n```"))))
     rng.shuffle(out)
     return out
 
