@@ -109,6 +109,9 @@ register(DrafterKind("hydra", "entmtp_sglang.model.drafters:HydraHead", "entmtp_
                      "sequentially dependent heads that also read the drafted tokens"))
 register(DrafterKind("eagle", "entmtp_sglang.model.drafters:EagleDraft", "entmtp_sglang.engine.draft:EagleDrafting",
                      "one decoder layer over (token, target feature), SGLang's EAGLE layout"))
+register(DrafterKind("eagle3", "entmtp_sglang.model.eagle3:Eagle3Draft",
+                     "entmtp_sglang.engine.draft_eagle3:Eagle3Drafting",
+                     "one decoder layer over the target's fused low, mid and high features, SGLang's EAGLE-3 layout"))
 
 
 def drafter_names() -> tuple[str, ...]:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from entmtp_sglang.model.drafters import EagleDraft, HydraHead, MedusaHeads
+from entmtp_sglang.model.eagle3 import Eagle3Draft
 from entmtp_sglang.model.llama import LlamaForCausalLM, LlamaShape, init_weights
 from entmtp_sglang.model.load import BUNDLED_MODEL, load_bundle
 
@@ -24,13 +25,20 @@ def random_models():
         "medusa": MedusaHeads(32, 97, 5),
         "hydra": HydraHead(32, 97, 5),
         "eagle": EagleDraft(LlamaShape(**{**TINY, "num_hidden_layers": 1})),
+        # fuses the residual streams entering layers 0, 1 and 1 of the 2-layer target; draft vocabulary: every
+        # other token and the first ten
+        "eagle3": Eagle3Draft(LlamaShape(**{**TINY, "num_hidden_layers": 1}),
+                              torch.tensor(sorted(set(range(0, 97, 2)) | set(range(10)))), (0, 1, 1)),
     }
     init_weights(drafters["eagle"], std=0.3)
+    init_weights(drafters["eagle3"], std=0.3)
     with torch.no_grad():
         for head in drafters["medusa"].lm_heads:
             head.weight.copy_(target.lm_head_weight + 0.05 * torch.randn_like(head.weight))
         drafters["hydra"].lm_head.weight.copy_(target.lm_head_weight)
         drafters["eagle"].embed_tokens.weight.copy_(target.model.embed_tokens.weight)
+    drafters["eagle3"].target_shared({})
+    drafters["eagle3"].share_target(target)  # the target's embedding and its output rows of the draft vocabulary
     for m in [target, *drafters.values()]:
         m.eval().requires_grad_(False)
     return target, drafters

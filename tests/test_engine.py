@@ -24,7 +24,7 @@ def _prompts(n: int, seed: int = 0) -> list[list[int]]:
             for _ in range(n)]
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle", "eagle3"])
 def test_greedy_equals_plain_every_tree_batch1_and_batch4(random_models, kind):
     target, drafters = random_models
     prompts = _prompts(4)
@@ -170,7 +170,7 @@ def _staged_tree_set():
     return TreeSet("m", "eagle", "t", "draft_margin", (), entries, provenance=prov, predictor=q.to_json())
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle", "eagle3"])
 def test_staged_decisions_are_lossless_and_cut_trees(random_models, kind):
     from entmtp_sglang.policy.policies import entmtp_policy
 
@@ -223,7 +223,7 @@ class _RestingSchedule(_Schedule):
         self.logits[self.step] = state.root_logits.clone()
 
 
-@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle", "eagle3"])
 def test_resting_the_drafter_is_lossless_and_catches_its_cache_up(random_models, kind):
     """Steps that skip the drafter decode plainly; afterwards the drafter sees exactly what it would have seen
     had it run on every step (EAGLE's draft cache takes the skipped tokens in one pass)."""

@@ -3,6 +3,7 @@
     <dir>/config.json, model.safetensors, tokenizer.json   target LlamaForCausalLM + tokenizer
     <dir>/medusa/, <dir>/hydra/                              our drafter heads (config.json + safetensors)
     <dir>/eagle/                                             SGLang LlamaForCausalLMEagle checkpoint
+    <dir>/eagle3/                                            SGLang LlamaForCausalLMEagle3 checkpoint
     <dir>/chat_template.jinja                                the chat template, if the model has one
 
 A drafter trained for a pretrained target records the target's identity (`config.json`: "target") and
@@ -34,7 +35,7 @@ def _state(path: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
     if not path.exists():
         raise ModelDirError(f"missing weights file {path}")
-    return {k: v.to(dtype) for k, v in load_file(str(path)).items()}
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in load_file(str(path)).items()}
 
 
 def target_fingerprint(target: LlamaForCausalLM) -> str:
@@ -124,8 +125,12 @@ def load_drafter(model_dir: Path, kind: str, dtype: torch.dtype = torch.float32,
     except (RuntimeError, ValueError, KeyError) as e:
         raise ModelDirError(f"{d}: cannot load this drafter for the target in {model_dir} ({e}); was it "
                             f"trained for another model?") from None
-    shared = draft_ids is not None
-    missing = [m for m in missing if not m.startswith("rotary") and not (shared and m in SHARED_WEIGHTS)]
+    if hasattr(module, "target_shared"):  # the drafter says which weights it takes from the target
+        from_target = module.target_shared(state)
+    else:
+        from_target = SHARED_WEIGHTS if draft_ids is not None else ()
+    shared = bool(from_target)
+    missing = [m for m in missing if not m.startswith("rotary") and m not in from_target]
     if missing or unexpected:
         raise ModelDirError(f"{d}: weights do not match (missing {missing[:3]}, unexpected {unexpected[:3]})")
     module = module.to(dtype)

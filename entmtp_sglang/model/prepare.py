@@ -24,6 +24,8 @@ from pathlib import Path
 
 from ..drafting import drafter_names
 
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # model/eagle3.py's ARCHITECTURE (kept here: no torch import)
+
 CACHE_ENV = "ENTMTP_CACHE"
 DEFAULT_CACHE = Path("~/.cache/entmtp")
 STAMP = "entmtp_prepared.json"
@@ -141,21 +143,33 @@ def _convert(gguf: Path, out: Path, log) -> None:
 
 
 def _install_drafters(spec: PypiModel, model_dir: Path, log) -> None:
-    """Copy (or refresh) the committed drafters into the prepared model directory."""
+    """Copy (or refresh) the committed drafters into the prepared model directory. An EAGLE-3 drafter shipped
+    without its head (trained frozen: the target's output rows of its draft vocabulary) gets the head written in,
+    so SGLang loads it as it is; `.shipped` records which committed files a directory was made from."""
     src = shipped_drafters(spec)
+    target = None
     for kind in drafter_names():
         s, d = src / kind, model_dir / kind
         if not (s / "config.json").exists():
             continue
-        same = d.exists() and all((d / f.name).exists() and (d / f.name).read_bytes() == f.read_bytes()
-                                  for f in s.iterdir() if f.is_file())
-        if not same:
-            tmp = model_dir / f".{kind}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            shutil.copytree(s, tmp)
-            shutil.rmtree(d, ignore_errors=True)
-            os.replace(tmp, d)
-            log(f"installed the {kind} drafter from {s}")
+        files = sorted(f for f in s.iterdir() if f.is_file())
+        digest = hashlib.sha256(b"".join(f.name.encode() + f.read_bytes() for f in files)).hexdigest()
+        if (d / ".shipped").exists() and (d / ".shipped").read_text() == digest:
+            continue
+        tmp = model_dir / f".{kind}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(s, tmp)
+        if json.loads((s / "config.json").read_text()).get("architectures") == [EAGLE3_ARCHITECTURE]:
+            from .eagle3 import add_head_from_target
+            from .load import load_target
+
+            target = target or load_target(model_dir)
+            if add_head_from_target(tmp, target):
+                log(f"wrote the {kind} drafter's head (the target's rows of its draft vocabulary)")
+        (tmp / ".shipped").write_text(digest)
+        shutil.rmtree(d, ignore_errors=True)
+        os.replace(tmp, d)
+        log(f"installed the {kind} drafter from {s}")
 
 
 def is_prepared(model_dir: Path, spec: PypiModel) -> bool:

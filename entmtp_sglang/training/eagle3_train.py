@@ -1,0 +1,493 @@
+"""Train an EAGLE-3 drafter on the fixed-data shards (`training/fixed_data.py`) with training-time test.
+
+    python -m entmtp_sglang.training.eagle3_train --data ~/.cache/entmtp/distill/fixed-<hash> --minutes 38
+
+Each position p of a sequence (token x_p, the target's fused features a_{p-1}, the target's top-k distribution of
+x_{p+1}) is one training row. Training-time test (EAGLE-3) unrolls `--steps` drafting levels over every window,
+each level reading the previous level's own outputs, exactly as drafting inside a tree does:
+
+    level 0: entry p reads fc(a_{p-1}), attends level-0 entries j <= p                    (the committed context)
+    level k: entry p reads out^{k-1}_{p-1}, attends level-0 entries j <= p-k and the level-m entries at p-k+m,
+             m = 1..k (its ancestors in a draft chain, itself last)
+    every level's entry p predicts x_{p+1}: soft cross-entropy against the target's top-k (restricted to the draft
+    vocabulary and renormalized), weighted 0.8^k, where the next token is response text (`loss_mask`).
+
+The draft vocabulary (`--draft-vocab` tokens) is the target's most frequent next tokens over the training shards,
+as EAGLE-3 and FR-Spec choose it. The embedding is the target's and frozen; the head is the target's output rows
+of the draft vocabulary, frozen by default (`--train-head` trains it, and the shipped checkpoint then has to carry
+it). Everything lives in `$ENTMTP_CACHE/eagle3/<run>/`: `ckpt.pt` (resumable: model, optimizer, data cursor and
+clock, saved every `--save-every-s` seconds), `train.log` (progress and an ETA), and at the end `sglang/` (the
+checkpoint SGLang loads, head included, bf16), `shipped/` (bf16, the head left out when frozen) and `summary.json`
+(held-out agreement per level and per source). The last shard is held out (with one shard, its last sequences).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..model.eagle3 import Eagle3Draft, checkpoint_state, export
+from ..model.llama import LlamaShape, init_weights
+from .fixed_data import SOURCES
+
+STEP_WEIGHT = 0.8  # EAGLE-3's per-level loss decay
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 3  # training-time-test levels
+    window: int = 512  # positions per training window
+    batch_tokens: int = 4096
+    lr: float = 6e-4
+    warmup: float = 0.03  # share of the run
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    draft_vocab: int = 8192
+    minutes: float = 38.0  # wall-clock budget of the run (resumed runs count the time already spent)
+    positions: int = 0  # stop after this many training positions (0: one pass over the training shards)
+    train_head: bool = False
+    seed: int = 0
+    eval_windows: int = 64
+    intermediate_size: int = 0  # 0: the target's
+
+    def __post_init__(self):
+        if self.steps < 1 or self.window < 8 or self.batch_tokens < self.window or self.draft_vocab < 2:
+            raise ValueError("steps >= 1, window >= 8, batch_tokens >= window and draft_vocab >= 2")
+
+
+# -- data ------------------------------------------------------------------------------------------------------
+
+def shard_files(data: Path) -> list[Path]:
+    files = sorted(Path(data).glob("shard-*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no shards in {data} (build them with `entmtp distill fixed-data`)")
+    return files
+
+
+def split(files: list[Path]) -> tuple[list[Path], list[Path]]:
+    """(training shards, held-out shards): the last shard is held out when there are several."""
+    return (files[:-1], files[-1:]) if len(files) > 1 else (files, files)
+
+
+def draft_vocabulary(files: list[Path], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent target next tokens (top-1 of the target's distribution) over the shards, ids
+    ascending; ties and unseen tokens filled by id."""
+    from safetensors import safe_open
+
+    counts = torch.zeros(vocab_size, dtype=torch.float64)
+    for f in files:
+        with safe_open(str(f), "pt") as s:
+            top1 = s.get_tensor("topk_ids")[:, 0].long()
+        counts += torch.bincount(top1, minlength=vocab_size).double()
+    counts -= torch.arange(vocab_size, dtype=torch.float64) * 1e-9  # deterministic ties: lower id first
+    return torch.topk(counts, min(size, vocab_size)).indices.sort().values
+
+
+@dataclass
+class Window:
+    shard: int
+    start: int  # index of the window's first entry (token x_p) in the shard
+    length: int
+    position: int  # p of the first entry within its sequence
+    source: int
+
+
+def windows(seq_lens: list[int], sources: list[int], shard: int, window: int) -> list[Window]:
+    """Cut each sequence into windows of entries p = 1 .. len-1 (entry p needs the features of p-1)."""
+    out, base = [], 0
+    for n, src in zip(seq_lens, sources):
+        p = 1
+        while p < n:
+            length = min(window, n - p)
+            out.append(Window(shard, base + p, length, p, src))
+            p += length
+        base += n
+    return out
+
+
+def load_shard(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def batch_of(shard: dict, ws: list[Window], t2d_index: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Padded tensors for windows of one shard: tokens, positions, features (of p-1), valid, loss weight, and the
+    target distribution over the draft vocabulary (as (index, prob) pairs of the top-k)."""
+    b, t = len(ws), max(w.length for w in ws)
+    k = shard["topk_ids"].shape[1]
+    d3 = shard["aux_hidden_states"].shape[1]
+    tokens = torch.zeros(b, t, dtype=torch.int64)
+    pos = torch.zeros(b, t, dtype=torch.int64)
+    feats = torch.zeros(b, t, d3, dtype=torch.float32)
+    valid = torch.zeros(b, t, dtype=torch.bool)
+    mask = torch.zeros(b, t, dtype=torch.bool)
+    tidx = torch.zeros(b, t, k, dtype=torch.int64)
+    tprob = torch.zeros(b, t, k, dtype=torch.float32)
+    for i, w in enumerate(ws):
+        s, n = w.start, w.length
+        tokens[i, :n] = shard["input_ids"][s:s + n].long()
+        pos[i, :n] = torch.arange(w.position, w.position + n)
+        feats[i, :n] = shard["aux_hidden_states"][s - 1:s - 1 + n].float()
+        valid[i, :n] = True
+        mask[i, :n] = shard["loss_mask"][s:s + n].bool()
+        ids = t2d_index[shard["topk_ids"][s:s + n].long()]  # (n, k): draft index or -1
+        probs = shard["topk_probs"][s:s + n].float() * (ids >= 0)
+        tidx[i, :n] = ids.clamp(min=0)
+        tprob[i, :n] = probs
+    mass = tprob.sum(-1, keepdim=True)
+    mask &= mass.squeeze(-1) > 0.05  # too little of the target's mass inside the draft vocabulary to learn from
+    tprob = tprob / mass.clamp(min=1e-6)
+    return {"tokens": tokens, "positions": pos, "features": feats, "valid": valid, "loss_mask": mask,
+            "target_idx": tidx, "target_prob": tprob}
+
+
+# -- training-time test --------------------------------------------------------------------------------------
+
+def _heads(x: torch.Tensor, n: int, hd: int) -> torch.Tensor:
+    b, t, _ = x.shape
+    return x.view(b, t, n, hd).transpose(1, 2)  # (B, n, T, hd)
+
+
+def _shift(x: torch.Tensor, by: int, dim: int = 2) -> torch.Tensor:
+    """x moved `by` places to higher indices along dim (zeros in front)."""
+    if by == 0:
+        return x
+    pad = torch.zeros_like(x.narrow(dim, 0, by))
+    return torch.cat((pad, x.narrow(dim, 0, x.shape[dim] - by)), dim=dim)
+
+
+def ttt_forward(draft: Eagle3Draft, tokens, positions, features, valid, steps: int) -> list[torch.Tensor]:
+    """Training-time test: the drafter's outputs out^k (B, T, d) for levels k = 0 .. steps-1 (see the module
+    docstring for who attends to whom). Level k's entry i is meaningful where i >= k and valid."""
+    layer = draft.midlayer
+    attn = layer.self_attn
+    nh, nkv, hd = attn.n_heads, attn.n_kv, attn.head_dim
+    rep = nh // nkv
+    b, t = tokens.shape
+    embeds = draft.embed_tokens(tokens)
+    rot = draft.rotary
+    keys, values, outs = [], [], []
+    g = draft.fc(features)
+    idx = torch.arange(t)
+    key_ok = valid.view(b, 1, 1, t)
+    for k in range(steps):
+        if k > 0:
+            g = _shift(outs[-1], 1, dim=1)
+        x = layer.attention_input(embeds, g)
+        q = rot(_heads(attn.q_proj(x), nh, hd), positions)
+        kk = rot(_heads(attn.k_proj(x), nkv, hd), positions).repeat_interleave(rep, dim=1)
+        vv = _heads(attn.v_proj(x), nkv, hd).repeat_interleave(rep, dim=1)
+        keys.append(kk)
+        values.append(vv)
+        scale = 1.0 / math.sqrt(hd)
+        s0 = (q @ keys[0].transpose(-1, -2)) * scale  # (B, nh, T, T) against the committed (level-0) entries
+        allowed = (idx.view(1, t) <= idx.view(t, 1) - k).view(1, 1, t, t) & key_ok
+        s0 = s0.masked_fill(~allowed, float("-inf"))
+        diag = [((q * _shift(keys[m], k - m)).sum(-1) * scale).masked_fill((idx < k - m).view(1, 1, t), float("-inf"))
+                for m in range(1, k + 1)]  # (B, nh, T): the level-m ancestor at i-k+m
+        scores = torch.cat([s0] + [d.unsqueeze(-1) for d in diag], dim=-1)
+        p = torch.softmax(scores.float(), dim=-1).to(q.dtype).nan_to_num(0.0)
+        y = p[..., :t] @ values[0]
+        for m in range(1, k + 1):
+            y = y + p[..., t + m - 1].unsqueeze(-1) * _shift(values[m], k - m)
+        a = attn.o_proj(y.transpose(1, 2).reshape(b, t, nh * hd))
+        outs.append(layer.finish(g, a))
+    return outs
+
+
+def sparse_soft_ce(logits: torch.Tensor, idx: torch.Tensor, prob: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of logits (R, V) against a distribution given as its support idx (R, k) and probabilities
+    prob (R, k) summing to 1: logsumexp(logits) - sum_j prob_j * logits[idx_j] (a top-k index may repeat where
+    it was clamped; its probability is then 0)."""
+    return torch.logsumexp(logits, -1) - (torch.gather(logits, 1, idx) * prob).sum(-1)
+
+
+def level_losses(draft: Eagle3Draft, batch: dict, steps: int) -> tuple[torch.Tensor, list[dict]]:
+    """The weighted training loss and, per level, (loss sum, agreement count, rows) for the log."""
+    outs = ttt_forward(draft, batch["tokens"], batch["positions"], batch["features"], batch["valid"], steps)
+    t = batch["tokens"].shape[1]
+    total, stats = 0.0, []
+    for k, out in enumerate(outs):
+        rows = batch["loss_mask"] & (torch.arange(t) >= k).view(1, t)
+        if not bool(rows.any()):
+            stats.append({"loss": 0.0, "agree": 0, "rows": 0})
+            continue
+        logits = draft.draft_logits(out[rows]).float()  # (R, Vd)
+        idx, prob = batch["target_idx"][rows], batch["target_prob"][rows]  # (R, k): the target's top-k
+        loss = sparse_soft_ce(logits, idx, prob)
+        n = int(rows.sum())
+        total = total + STEP_WEIGHT ** k * loss.mean()
+        best = torch.gather(idx, 1, prob.argmax(-1, keepdim=True)).squeeze(1)  # the target's top token in vocab
+        agree = int((logits.detach().argmax(-1) == best).sum())
+        stats.append({"loss": float(loss.detach().sum()), "agree": agree, "rows": n})
+    return total, stats
+
+
+# -- the run ---------------------------------------------------------------------------------------------------
+
+class _Log:
+    def __init__(self, path: Path, echo=True):
+        self.path, self.echo = path, echo
+
+    def __call__(self, msg: str) -> None:
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} eagle3: {msg}"
+        with open(self.path, "a") as f:
+            f.write(line + "\n")
+        if self.echo:
+            print(line, file=sys.stderr, flush=True)
+
+
+def _hms(seconds: float) -> str:
+    s = int(max(0, seconds))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m{s % 60:02d}s"
+
+
+def new_drafter(target_cfg: dict, capture: tuple[int, ...], draft_ids: torch.Tensor, cfg: TrainConfig,
+                target=None) -> Eagle3Draft:
+    shape = LlamaShape.from_config_dict({**target_cfg, "num_hidden_layers": 1,
+                                         "intermediate_size": cfg.intermediate_size or target_cfg["intermediate_size"]})
+    torch.manual_seed(cfg.seed)
+    draft = Eagle3Draft(shape, draft_ids, capture)
+    init_weights(draft, std=0.02)
+    for n in (draft.midlayer.input_layernorm, draft.midlayer.hidden_norm, draft.midlayer.post_attention_layernorm,
+              draft.norm):
+        torch.nn.init.ones_(n.weight)
+    if target is not None:
+        draft.target_shared({})
+        draft.share_target(target)
+    draft.embed_tokens.weight.requires_grad_(False)
+    draft.lm_head.weight.requires_grad_(cfg.train_head)
+    return draft
+
+
+def _batches(ws: list[Window], batch_tokens: int, rng: random.Random) -> list[list[Window]]:
+    """Windows grouped by length into batches of about batch_tokens padded positions, in random order."""
+    ws = sorted(ws, key=lambda w: w.length)
+    out, cur = [], []
+    for w in ws:
+        if cur and (len(cur) + 1) * max(cur[-1].length, w.length) > batch_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(w)
+    if cur:
+        out.append(cur)
+    rng.shuffle(out)
+    return out
+
+
+def evaluate(draft: Eagle3Draft, shards: dict[int, dict], ws: list[Window], t2d_index, steps: int) -> dict:
+    """Held-out agreement (draft argmax == target argmax within the draft vocabulary) per level and, at level 0,
+    per source; plus the loss per level."""
+    per_level = [{"loss": 0.0, "agree": 0, "rows": 0} for _ in range(steps)]
+    per_source: dict[str, list[int]] = {}
+    with torch.no_grad():
+        for w in ws:
+            batch = batch_of(shards[w.shard], [w], t2d_index)
+            _, stats = level_losses(draft, batch, steps)
+            for acc, s in zip(per_level, stats):
+                for key in acc:
+                    acc[key] += s[key]
+            src = per_source.setdefault(SOURCES[w.source], [0, 0])
+            src[0] += stats[0]["agree"]
+            src[1] += stats[0]["rows"]
+    return {"agreement": [round(s["agree"] / max(1, s["rows"]), 4) for s in per_level],
+            "loss": [round(s["loss"] / max(1, s["rows"]), 4) for s in per_level],
+            "rows": [s["rows"] for s in per_level],
+            "depth1_agreement_by_source": {k: round(a / max(1, n), 4) for k, (a, n) in sorted(per_source.items())}}
+
+
+def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads: int = 0, save_every_s: float = 120.0,
+          echo: bool = True, max_batches: int | None = None) -> dict:
+    """Train (or resume) a run; returns the summary. `max_batches` stops early (tests)."""
+    from ..model.load import load_target
+
+    if threads:
+        torch.set_num_threads(threads)
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log = _Log(run_dir / "train.log", echo)
+    files = shard_files(data)
+    recipe = json.loads((Path(data) / "recipe.json").read_text())
+    capture = tuple(recipe["capture_layers"])
+    target = load_target(model_dir)
+    target_cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    train_files, held_files = split(files)
+    ckpt_path = run_dir / "ckpt.pt"
+    state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
+    if state is not None and state["config"] != asdict(cfg):
+        log(f"resuming with the checkpoint's configuration {state['config']} (the command line's differs)")
+        cfg = TrainConfig(**state["config"])
+    if state is None:
+        draft_ids = draft_vocabulary(train_files, cfg.draft_vocab, target.shape.vocab_size)
+    else:
+        draft_ids = state["draft_ids"]
+    draft = new_drafter(target_cfg, capture, draft_ids, cfg, target)
+    t2d_index = torch.full((target.shape.vocab_size,), -1, dtype=torch.int64)
+    t2d_index[draft_ids] = torch.arange(len(draft_ids))
+    params = [p for p in draft.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    rng = random.Random(cfg.seed)
+    order = list(range(len(train_files)))
+    rng.shuffle(order)
+    cursor = {"epoch": 0, "shard": 0, "batch": 0}
+    done_positions, spent = 0, 0.0
+    if state is not None:
+        draft.load_state_dict(state["model"], strict=False)
+        opt.load_state_dict(state["optimizer"])
+        order, cursor = state["order"], state["cursor"]
+        done_positions, spent = state["positions"], state["seconds"]
+        log(f"resumed at {done_positions} positions, {_hms(spent)} spent")
+    held_shards = {i: load_shard(f) for i, f in enumerate(held_files)}
+    held = []
+    for i, s in held_shards.items():
+        held += windows(s["seq_lens"].tolist(), s["seq_source"].tolist(), i, cfg.window)
+    held = random.Random(1).sample(held, min(cfg.eval_windows, len(held)))
+    if len(files) == 1:
+        log("one shard only: evaluating on windows of the training shard (a smoke run)")
+    total_positions = cfg.positions or sum(
+        int(json.loads(_meta(f)["positions"])) for f in train_files)
+    budget = cfg.minutes * 60.0
+    log(f"{len(train_files)} training shards ({total_positions} positions planned), {len(held_files)} held out; "
+        f"draft vocabulary {len(draft_ids)}; {sum(p.numel() for p in params)} trained parameters; levels {cfg.steps}; "
+        f"budget {cfg.minutes:g} min; {torch.get_num_threads()} threads; run dir {run_dir}")
+
+    def progress() -> float:
+        return min(1.0, max(done_positions / max(1, total_positions), (spent + time.time() - t_start) / budget))
+
+    def lr_at(f: float) -> float:
+        if f < cfg.warmup:
+            return cfg.lr * f / cfg.warmup
+        return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (f - cfg.warmup) / (1 - cfg.warmup))))
+
+    def save() -> None:
+        tmp = ckpt_path.with_name("ckpt.pt.tmp")
+        torch.save({"model": {k: v for k, v in draft.state_dict().items() if not k.startswith("embed_tokens")
+                              and (cfg.train_head or not k.startswith("lm_head"))},
+                    "optimizer": opt.state_dict(), "order": order, "cursor": cursor, "positions": done_positions,
+                    "seconds": spent + time.time() - t_start, "config": asdict(cfg), "draft_ids": draft_ids}, tmp)
+        tmp.replace(ckpt_path)
+
+    t_start = time.time()
+    last_save = last_log = time.time()
+    window_stats = [{"loss": 0.0, "agree": 0, "rows": 0} for _ in range(cfg.steps)]
+    batches_run, finished = 0, False
+    while not finished:
+        shard_no = order[cursor["shard"]]
+        shard = load_shard(train_files[shard_no])
+        ws = windows(shard["seq_lens"].tolist(), shard["seq_source"].tolist(), shard_no, cfg.window)
+        plan = _batches(ws, cfg.batch_tokens, random.Random(f"{cfg.seed}/{cursor['epoch']}/{shard_no}"))
+        while cursor["batch"] < len(plan):
+            group = plan[cursor["batch"]]
+            f = progress()
+            if f >= 1.0 or (max_batches is not None and batches_run >= max_batches):
+                finished = True
+                break
+            for g in opt.param_groups:
+                g["lr"] = lr_at(f)
+            batch = batch_of(shard, group, t2d_index)
+            loss, stats = level_losses(draft, batch, cfg.steps)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+            opt.step()
+            cursor["batch"] += 1
+            batches_run += 1
+            done_positions += sum(w.length for w in group)
+            for acc, s in zip(window_stats, stats):
+                for key in acc:
+                    acc[key] += s[key]
+            now = time.time()
+            if now - last_log > 30 or batches_run == 1:
+                f = progress()
+                el = spent + now - t_start
+                eta = el * (1 - f) / max(f, 1e-6)
+                acc = "/".join(f"{s['agree'] / max(1, s['rows']):.3f}" for s in window_stats)
+                los = "/".join(f"{s['loss'] / max(1, s['rows']):.3f}" for s in window_stats)
+                log(f"{100 * f:5.1f}% {done_positions}/{total_positions} positions, lr {lr_at(f):.2e}, "
+                    f"agreement per level {acc}, loss {los}; {done_positions / max(1e-6, el):.0f} positions/s, "
+                    f"elapsed {_hms(el)}, ETA {_hms(eta)}")
+                window_stats = [{"loss": 0.0, "agree": 0, "rows": 0} for _ in range(cfg.steps)]
+                last_log = now
+            if now - last_save > save_every_s:
+                save()
+                last_save = now
+        if not finished:
+            cursor["shard"] += 1
+            cursor["batch"] = 0
+            if cursor["shard"] >= len(order):
+                cursor["shard"] = 0
+                cursor["epoch"] += 1
+                rng = random.Random(f"{cfg.seed}/order/{cursor['epoch']}")
+                rng.shuffle(order)
+    save()
+    result = evaluate(draft.eval(), held_shards, held, t2d_index, cfg.steps)
+    summary = {"data": str(data), "model": str(model_dir), "config": asdict(cfg), "positions": done_positions,
+               "seconds": round(spent + time.time() - t_start, 1), "train_shards": len(train_files),
+               "held_out_shards": [f.name for f in held_files], "held_out_windows": len(held),
+               "capture_layers": list(capture), "draft_vocab": len(draft_ids), "held_out": result}
+    target_info = {"name": target_cfg.get("_name_or_path") or Path(model_dir).name}
+    from ..model.load import target_fingerprint
+
+    target_info["fingerprint"] = target_fingerprint(target)
+    export(draft, run_dir / "sglang", target_cfg, with_head=True, extra_config={"target": target_info})
+    export(draft, run_dir / "shipped", target_cfg, with_head=cfg.train_head, extra_config={"target": target_info})
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    log(f"done: {done_positions} positions in {_hms(summary['seconds'])}; held-out agreement per level "
+        f"{result['agreement']}, depth 1 by source {result['depth1_agreement_by_source']}; "
+        f"checkpoints in {run_dir / 'sglang'} (SGLang) and {run_dir / 'shipped'} (bf16, "
+        f"{sum(v.numel() * v.element_size() for v in checkpoint_state(draft, cfg.train_head).values())} bytes)")
+    return summary
+
+
+def _meta(path: Path) -> dict:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return f.metadata() or {}
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = TrainConfig()
+    p.add_argument("--data", type=Path, required=True, help="a fixed-data set's folder (shard-*.safetensors)")
+    p.add_argument("--model", type=Path, default=None, help="the target's model directory (default: the data's)")
+    p.add_argument("--run", default="smollm2", help="run name: $ENTMTP_CACHE/eagle3/<run>/ (resumed if present)")
+    p.add_argument("--run-dir", type=Path, default=None, help="the run's folder instead of $ENTMTP_CACHE/eagle3/<run>")
+    for name in ("steps", "window", "batch_tokens", "draft_vocab", "positions", "seed", "eval_windows",
+                 "intermediate_size"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("lr", "warmup", "weight_decay", "clip", "minutes"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--train-head", action="store_true", help="train the draft-vocabulary head (default: frozen)")
+    p.add_argument("--threads", type=int, default=0)
+    p.add_argument("--save-every-s", type=float, default=120.0)
+    p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (a smoke run)")
+
+
+def run(args) -> int:
+    from ..model.prepare import cache_root
+
+    cfg = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__})
+    model = args.model or Path(json.loads((args.data / "recipe.json").read_text())["model"])
+    run_dir = args.run_dir or cache_root() / "eagle3" / args.run
+    train(args.data, model, run_dir, cfg, args.threads, args.save_every_s, max_batches=args.max_batches)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m entmtp_sglang.training.eagle3_train", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

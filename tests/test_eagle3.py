@@ -1,0 +1,154 @@
+"""The EAGLE-3 drafter (model/eagle3.py), its drafting (engine/draft_eagle3.py) and its training
+(training/eagle3_train.py): training-time test computes what drafting computes, the SGLang export loads back, and a
+short training run on the bundled model's fixed-data shards learns, resumes and exports."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+
+import pytest
+import torch
+
+from entmtp_sglang.drafting import drafter_kind
+from entmtp_sglang.model.eagle3 import Eagle3Draft, add_head_from_target, export
+from entmtp_sglang.model.llama import LlamaForCausalLM, LlamaShape, init_weights
+from entmtp_sglang.model.load import BUNDLED_MODEL, load_drafter, load_target
+from entmtp_sglang.training import eagle3_train as et
+from entmtp_sglang.training import fixed_data as fd
+
+TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+LAYERS = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def models():
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaShape(**TINY))
+    init_weights(target, std=0.3)
+    draft = Eagle3Draft(LlamaShape(**{**TINY, "num_hidden_layers": 1}), torch.arange(0, 97, 3), LAYERS)
+    init_weights(draft, std=0.3)
+    draft.target_shared({})
+    draft.share_target(target)
+    for m in (target, draft):
+        m.eval().requires_grad_(False)
+    return target, draft
+
+
+def test_training_time_test_computes_what_drafting_computes(models):
+    """Level k of training-time test at position L+k equals the drafter's k-th chain step after a prompt of L
+    tokens (prefill, begin, then drafting along the true tokens)."""
+    target, draft = models
+    seq = torch.randint(0, 97, (1, 24))
+    _, aux = target(seq, capture=LAYERS)  # (1, 24, 3d): the residual streams entering layers 1, 2, 3
+    steps = 4
+    # training-time test over the window of entries p = 1 .. 23 (entry p: token x_p, features of p-1)
+    outs = et.ttt_forward(draft, seq[:, 1:], torch.arange(1, 24).view(1, -1), aux[:, :-1],
+                          torch.ones(1, 23, dtype=torch.bool), steps)
+    drafting = drafter_kind("eagle3").build_drafting(draft, target)
+    assert drafting.target_layers == LAYERS
+    for length in (3, 9, 17):
+        drafting.prefill(seq[:, :length], torch.tensor([length]), aux[:, :length], 64)
+        state = drafting.begin(aux[:, length - 1], seq[:, length])
+        chain = drafting.path_logits(state, seq[:, length + 1: length + 1 + steps])
+        for k in range(steps):
+            want = draft.logits(outs[k][0, length + k - 1])
+            assert torch.allclose(chain[k][0], want, atol=1e-4, rtol=1e-4), (length, k)
+            assert bool(torch.isinf(chain[k][0, 1]))  # token 1 is outside the draft vocabulary
+
+
+def test_export_is_sglang_layout_and_loads_back(models, tmp_path):
+    target, draft = models
+    model_dir = tmp_path / "model"
+    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle"))
+    tiny = load_target(model_dir)
+    torch.manual_seed(1)
+    shape = LlamaShape(**{**vars(tiny.shape), "num_hidden_layers": 1})
+    d = Eagle3Draft(shape, torch.arange(0, tiny.shape.vocab_size, 5), (2, 3, 3))
+    init_weights(d, std=0.1)
+    d.target_shared({})
+    d.share_target(tiny)
+    for p in d.parameters():  # what the bf16 export keeps
+        p.data = p.data.to(torch.bfloat16).float()
+    d.eval().requires_grad_(False)
+    cfg = json.loads((model_dir / "config.json").read_text())
+    export(d, model_dir / "eagle3", cfg, with_head=True)
+    written = json.loads((model_dir / "eagle3" / "config.json").read_text())
+    assert written["architectures"] == ["LlamaForCausalLMEagle3"] and written["draft_vocab_size"] == len(d.d2t)
+    assert written["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 2, 2]  # SGLang adds one
+    from safetensors.torch import load_file
+
+    state = load_file(str(model_dir / "eagle3" / "model.safetensors"))
+    assert set(state) == {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d"} | {
+        f"midlayer.{n}.weight" for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm",
+                                         "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj",
+                                         "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+    assert state["fc.weight"].dtype == torch.bfloat16 and state["fc.weight"].shape == (256, 3 * 256)
+    assert state["midlayer.self_attn.q_proj.weight"].shape == (256, 2 * 256)
+    assert torch.equal(state["d2t"] + torch.arange(len(state["d2t"])), torch.arange(0, 4096, 5))
+    loaded = load_drafter(model_dir, "eagle3", target=tiny)
+    assert loaded.target_layers == (2, 3, 3)
+    x = torch.randn(2, 3, 3 * 256)
+    tok = torch.randint(0, 4096, (2, 3))
+    pos = torch.arange(3).expand(2, 3)
+    assert torch.allclose(loaded.logits(loaded(tok, x, pos)), d.logits(d(tok, x, pos)), atol=1e-5)
+    # shipped without the head: the loader and `add_head_from_target` take the target's rows
+    export(d, model_dir / "eagle3", cfg, with_head=False)
+    headless = load_drafter(model_dir, "eagle3", target=tiny)
+    assert torch.allclose(headless.logits(headless(tok, x, pos)), d.logits(d(tok, x, pos)), atol=1e-5)
+    assert add_head_from_target(model_dir / "eagle3", tiny) and not add_head_from_target(model_dir / "eagle3", tiny)
+    assert "lm_head.weight" in load_file(str(model_dir / "eagle3" / "model.safetensors"))
+
+
+WORDS = "alpha beta gamma delta return value import class def json key list print open file data".split()
+
+
+def _documents(source: str, rng: random.Random):
+    def words(n):
+        return " ".join(rng.choice(WORDS) for _ in range(n))
+    for _ in range(200):
+        if source == "code-files":
+            yield fd.Doc(source, text="\n".join(words(rng.randint(3, 9)) for _ in range(rng.randint(3, 30))))
+        else:
+            yield fd.Doc(source, (("user", words(rng.randint(2, 12))), ("assistant", words(rng.randint(2, 40)))))
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    recipe = fd.Recipe(positions=1500, shard_positions=500, max_tokens=96, batch_tokens=512, top_k=8, corpus="test")
+    return fd.build(BUNDLED_MODEL, recipe, tmp_path_factory.mktemp("fixed"), documents=_documents,
+                    self_distilled=[], echo=None)
+
+
+def test_windows_cover_every_entry_once():
+    ws = et.windows([5, 1, 12], [0, 1, 2], 0, 4)
+    covered = [w.start + i for w in ws for i in range(w.length)]
+    assert covered == [1, 2, 3, 4] + [7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]
+    assert [w.position for w in ws] == [1, 1, 5, 9] and [w.source for w in ws] == [0, 2, 2, 2]
+
+
+def test_a_short_run_learns_resumes_and_exports(shards, tmp_path):
+    cfg = et.TrainConfig(steps=3, window=48, batch_tokens=384, lr=3e-3, warmup=0.05, draft_vocab=512, minutes=30,
+                         positions=6000, eval_windows=8)
+    run = tmp_path / "run"
+    first = et.train(shards, BUNDLED_MODEL, run, cfg, echo=False, max_batches=2)
+    assert (run / "ckpt.pt").exists() and first["positions"] > 0
+    done = et.train(shards, BUNDLED_MODEL, run, cfg, echo=False)  # resumes, runs to 6000 positions
+    log = (run / "train.log").read_text()
+    assert f"resumed at {first['positions']} positions" in log
+    assert done["positions"] >= 6000 and done["positions"] < 6000 + 384
+    assert any("positions/s" in ln and "ETA" in ln for ln in log.splitlines())
+    held = done["held_out"]
+    assert len(held["agreement"]) == 3 and held["rows"][0] > 0
+    assert held["loss"][0] < first["held_out"]["loss"][0] - 0.3  # it learned
+    assert held["agreement"][0] > 0.25  # random-word text: the next word is often predictable
+    cfg_json = json.loads((run / "sglang" / "config.json").read_text())
+    assert cfg_json["architectures"] == ["LlamaForCausalLMEagle3"] and cfg_json["draft_vocab_size"] == 512
+    target = load_target(BUNDLED_MODEL)
+    model_dir = tmp_path / "model"
+    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle"))
+    shutil.copytree(run / "shipped", model_dir / "eagle3")
+    loaded = load_drafter(model_dir, "eagle3", target=target)
+    assert loaded.target_layers == (2, 3, 3)  # fixed_data's capture for 6 layers
