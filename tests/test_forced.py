@@ -2,15 +2,24 @@
 
 from __future__ import annotations
 
-import pytest
+import json
+import math
 
+import pytest
+import torch
+
+from entmtp_sglang.engine.engine import Engine, static_chooser
 from entmtp_sglang.engine.forced import ForcedSpanConfig, ForcedSpans, ForcedStats, extend_tree, path_tokens
-from entmtp_sglang.grammar import RequestGrammar
-from entmtp_sglang.tree import Tree
+from entmtp_sglang.engine.plain import generate_plain
+from entmtp_sglang.engine.sampling import SamplingParams
+from entmtp_sglang.grammar import GrammarSpec, RequestGrammar, compile_grammar
+from entmtp_sglang.model.load import BUNDLED_MODEL
+from entmtp_sglang.tree import Tree, from_sglang
 
 # a raw vocabulary: the stop token, single letters a..y, and a few longer spellings
 VOCAB = ["</s>", *"abcdefghijklmnopqrstuvwxy", "gh", "ghi", "xy", "ab", "q\"", *"0123456789"]
-VOCAB += [""] * (64 - len(VOCAB))  # empty strings: special tokens xgrammar never allows as text
+VOCAB += [""] * (97 - len(VOCAB))  # empty strings: special tokens xgrammar never allows as text (97: the
+# random test model's vocabulary)
 STOP = 0
 ID = {s: i for i, s in enumerate(VOCAB) if s}
 
@@ -123,3 +132,185 @@ def test_what_a_span_is_worth():
     assert not ForcedSpans(spell, ForcedSpanConfig(forced_only=False)).forced_only(16, Tree.chain(1))
     with pytest.raises(ValueError, match="max_nodes"):
         ForcedSpanConfig(max_tokens=16, max_nodes=8)
+
+
+# ---- in the engine ----------------------------------------------------------------------------------------
+# The bundled model spells JSON mostly a character at a time where its tokenizer has whole words: the const
+# value's span ("person record"}) is rejected after its first token, the keys' spans are accepted.
+RECORD = {"type": "object", "properties": {"name": {"type": "string"}, "age": {"type": "integer"},
+                                           "kind": {"const": "person record"}},
+          "required": ["name", "age", "kind"]}
+BUNDLED_VOCAB = 4096
+
+
+def _bundled_grammar(kind: str, source: str) -> RequestGrammar:
+    return RequestGrammar(compile_grammar(GrammarSpec(kind, source), str(BUNDLED_MODEL), BUNDLED_VOCAB),
+                          BUNDLED_VOCAB)
+
+
+BUNDLED_CASES = [  # (kind, source, prompt): forced text at the start, in the middle and at the end
+    ("json_schema", json.dumps(RECORD), "User: give a record\nAssistant: "),
+    ("regex", r"The answer is [0-9]{1,3}\. Done\.", "User: What is 6 times 7?\nAssistant: "),
+    ("ebnf", 'root ::= "Answer: " ("yes" | "no") ", final answer."', "User: Is it? Say yes or no.\nAssistant: "),
+]
+
+
+def _caught_up(seen: list):
+    """An observer that checks the EAGLE draft cache holds every committed position (slot j is position j + 1)."""
+    def observe(state, lens, drafting, active):
+        if hasattr(drafting, "lens") and drafting.lens is not None:
+            rows = [i for i, a in enumerate(active) if a]
+            assert drafting.lens[rows].tolist() == (lens[rows] - 1).tolist()
+            seen.append(len(rows))
+    return observe
+
+
+@pytest.mark.parametrize("kind, tree", [("medusa", Tree.chain(2)), ("hydra", from_sglang(3, 3, 8)),
+                                        ("eagle", from_sglang(2, 3, 6))])
+def test_greedy_equals_plain_with_forced_spans(bundled, kind, tree):
+    b = bundled[kind]
+    engine = Engine(b.target, kind, b.drafter, b.eos_token_id)
+    forced = ForcedSpans.for_tokenizer(b.tokenizer)
+    total, only = ForcedStats(), 0
+    for gkind, source, text in BUNDLED_CASES:
+        prompt = b.tokenizer.encode(text).ids
+        ref = generate_plain(b.target, prompt, 80, eos_token_id=b.eos_token_id, grammar=_bundled_grammar(gkind, source))
+        seen: list = []
+        out = engine.generate([prompt], 80, static_chooser(tree), grammars=[_bundled_grammar(gkind, source)],
+                              forced_spans=forced, observer=_caught_up(seen))[0]
+        assert out.output_ids == ref, gkind
+        assert out.finish_reason == "grammar_complete"  # the last span ends the output (its stop token)
+        assert out.forced.spans > 0 and out.forced.accepted > 0 and out.forced.output_tokens > 0
+        assert any(s.forced_nodes for s in out.steps) and len(out.steps) < len(ref)
+        assert kind != "eagle" or seen  # the draft cache was checked at every drafted step
+        only += sum(s.forced_only for s in out.steps)
+        total.add(out.forced)
+    assert total.tried > total.accepted  # some spans were spelled otherwise by the model: rejected part-way
+    assert only > 0  # some steps verified a span alone, without the drafter
+
+
+def test_the_record_schema_spans_start_middle_end_and_one_is_rejected_part_way(bundled):
+    b = bundled["hydra"]
+    engine = Engine(b.target, "hydra", b.drafter, b.eos_token_id)
+    forced = ForcedSpans.for_tokenizer(b.tokenizer)
+    prompt = b.tokenizer.encode(BUNDLED_CASES[0][2]).ids
+    out = engine.generate([prompt], 80, static_chooser(Tree.chain(1)),
+                          grammars=[_bundled_grammar(*BUNDLED_CASES[0][:2])], forced_spans=forced)[0]
+    text = [b.tokenizer.decode([t]) for t in out.output_ids]
+    assert "".join(text[:-1]).startswith('{"name": "') and "".join(text[:-1]).endswith('"kind": "person record"}')
+    # the first step verifies `"name": "` after the prefill's "{" alone (forced_only): all accepted
+    first = out.steps[0]
+    assert first.forced_only and first.forced_accepted == first.forced_nodes == 4
+    # "person record"} is spelled p|erson| record|"} by the tokenizer and p|e|r|s|o|n... by the model
+    assert any(s.forced_nodes > s.forced_accepted for s in out.steps)
+
+
+def test_a_batch_mixing_grammars_and_free_requests(bundled):
+    b = bundled["eagle"]
+    engine = Engine(b.target, "eagle", b.drafter, b.eos_token_id)
+    forced = ForcedSpans.for_tokenizer(b.tokenizer)
+    prompts = [b.tokenizer.encode(t).ids for _, _, t in BUNDLED_CASES] + [b.tokenizer.encode("def add(a, b):").ids]
+    refs = [generate_plain(b.target, p, 60, eos_token_id=b.eos_token_id,
+                           grammar=_bundled_grammar(k, s) if k else None)
+            for p, (k, s) in zip(prompts, [c[:2] for c in BUNDLED_CASES] + [(None, None)])]
+    seen: list = []
+    outs = engine.generate(prompts, 60, static_chooser(from_sglang(2, 3, 6)),
+                           grammars=[_bundled_grammar(k, s) for k, s, _ in BUNDLED_CASES] + [None],
+                           forced_spans=forced, observer=_caught_up(seen))
+    assert [o.output_ids for o in outs] == refs
+    assert all(o.forced.accepted > 0 for o in outs[:3]) and outs[3].forced.spans == 0
+    assert max(seen) == 4
+
+
+# ---- random model, raw vocabulary ---------------------------------------------------------------------------
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_a_span_that_ends_the_output(random_models, kind):
+    target, drafters = random_models
+    engine = Engine(target, kind, drafters[kind])
+    ebnf = 'root ::= [a-c] "defg"'
+    ref = generate_plain(target, [5, 6, 7], 20, grammar=grammar(ebnf))
+    out = engine.generate([[5, 6, 7]], 20, static_chooser(Tree.chain(2)), grammars=[grammar(ebnf)],
+                          forced_spans=ForcedSpans(spell))[0]
+    assert out.output_ids == ref and letters(ref)[1:] == "defg|"
+    assert out.finish_reason == "grammar_complete"
+    # one step: the root (the first letter) and its span d e f g </s>, drafted without the drafter
+    assert len(out.steps) == 1 and out.steps[0].forced_only and out.steps[0].forced_accepted == 5
+    assert out.forced.output_tokens == 5 and out.forced.share(len(out.output_ids)) == 5 / 6
+
+
+@pytest.mark.parametrize("kind", ["medusa", "hydra", "eagle"])
+def test_a_grammar_that_forces_nothing_behaves_as_today(random_models, kind):
+    target, drafters = random_models
+    engine = Engine(target, kind, drafters[kind])
+    prompts = [[5, 6, 7], [8, 9]]
+    runs = {}
+    for spans in (None, ForcedSpans(spell)):
+        runs[spans is None] = engine.generate(prompts, 16, static_chooser(from_sglang(3, 3, 8)),
+                                              grammars=[grammar("root ::= [a-c]+"), None], forced_spans=spans)
+    for today, now in zip(runs[True], runs[False]):
+        assert now.output_ids == today.output_ids
+        assert [(s.tree, s.num_nodes, s.accepted) for s in now.steps] == \
+               [(s.tree, s.num_nodes, s.accepted) for s in today.steps]
+        assert now.forced.spans == 0
+
+
+def _exact_sequences(target, prompt: list[int], ebnf: str, max_len: int) -> dict[tuple, float]:
+    """The distribution of whole outputs under plain sampling (temperature 1): the target's distribution masked
+    by the grammar at each step, enumerated."""
+    out: dict[tuple, float] = {}
+
+    def walk(prefix: list[int], p: float):
+        g = grammar(ebnf)
+        g.advance(prefix)
+        if g.terminated or len(prefix) >= max_len:
+            out[tuple(prefix)] = out.get(tuple(prefix), 0.0) + p
+            return
+        ids = torch.tensor([prompt + prefix])
+        n = ids.shape[1]
+        cache = target.new_cache(1, n + 1)
+        hidden = target(ids, torch.arange(n).view(1, n), torch.ones(n, n, dtype=torch.bool).tril().view(1, 1, n, n),
+                        cache, torch.zeros(1, dtype=torch.int64))
+        logits = target.logits(hidden[0, -1]).masked_fill(~g.root_mask(), float("-inf"))
+        probs = torch.softmax(logits.double(), -1)
+        for t in probs.nonzero().flatten().tolist():
+            walk(prefix + [t], p * float(probs[t]))
+
+    with torch.no_grad():
+        walk([], 1.0)
+    return out
+
+
+def test_sampling_keeps_the_masked_target_distribution(random_models):
+    """Sampled outputs under a grammar with forced spans (several spellings: a|b or ab, g|h|i, gh|i or ghi)
+    against the exact distribution of plain sampling (the target masked by the grammar at each step):
+    chi-square over whole output sequences, fixed seed."""
+    target, drafters = random_models
+    ebnf = 'root ::= "ab" [d-e] "ghi"'
+    prompt = [5, 6, 7]
+    exact = _exact_sequences(target, prompt, ebnf, 12)
+    assert len(exact) >= 8 and math.isclose(sum(exact.values()), 1.0, rel_tol=1e-9)
+    n = 600
+    engine = Engine(target, "hydra", drafters["hydra"])
+    forced = ForcedSpans(spell)
+    outs = engine.generate([prompt] * n, 12, static_chooser(Tree.chain(2)), SamplingParams(temperature=1.0),
+                           seed=3, grammars=[grammar(ebnf) for _ in range(n)], forced_spans=forced)
+    assert sum(o.forced.spans for o in outs) > n and sum(o.forced.accepted for o in outs) > 0
+    counts: dict[tuple, int] = {}
+    for o in outs:
+        counts[tuple(o.output_ids)] = counts.get(tuple(o.output_ids), 0) + 1
+    assert set(counts) <= set(exact)
+    # cells with an expected count under 5 are pooled
+    big = [s for s, p in exact.items() if p * n >= 5]
+    cells = [(counts.get(s, 0), exact[s] * n) for s in big]
+    rest = n - sum(o for o, _ in cells), n - sum(e for _, e in cells)
+    if rest[1] > 0:
+        cells.append(rest)
+    # the tokenizer's spelling of "ghi" is one of three the target samples: a sampler that took spans as given
+    # (or never took them) would fail
+    assert 0.1 < sum(p for s, p in exact.items() if ID["ghi"] in s) < 0.9
+    chi2 = sum((o - e) ** 2 / e for o, e in cells)
+    dof = len(cells) - 1
+    p_value = float(torch.special.gammaincc(torch.tensor(dof / 2.0, dtype=torch.float64),
+                                            torch.tensor(chi2 / 2.0, dtype=torch.float64)))
+    assert dof >= 4
+    assert p_value > 1e-3, (chi2, dof, cells)

@@ -31,6 +31,7 @@ from ..policy.signals import entropy_nats, top_margin, top_probs
 from ..tree import Tree
 from .batch_tree import pad_trees, tree_attention_mask
 from .draft import DraftState, make_drafting
+from .forced import ForcedSpans, ForcedStats, ForcedStep
 from .sampling import SamplingParams, probs_from_logits
 from .verify import NO_TOKEN, Accepted, verify_greedy_batch, verify_sampling
 
@@ -54,6 +55,7 @@ class RequestResult:
     output_ids: list[int] = field(default_factory=list)
     steps: list[StepRecord] = field(default_factory=list)
     finish_reason: str = ""
+    forced: ForcedStats | None = None  # forced spans drafted, accepted and kept (when the engine drafts them)
 
     @property
     def finish_kind(self) -> str:
@@ -61,7 +63,8 @@ class RequestResult:
 
     @property
     def mean_accepted(self) -> float:
-        return sum(s.accepted for s in self.steps) / max(1, len(self.steps))
+        """Accepted drafts per step, forced spans' tokens included."""
+        return sum(getattr(s, "accepted_all", s.accepted) for s in self.steps) / max(1, len(self.steps))
 
     @property
     def tokens_per_pass(self) -> float:
@@ -113,7 +116,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int, chooser: StepChooser,
                  sampling: SamplingParams = SamplingParams(), seed: int = 0,
                  observer: Callable | None = None, grammars: list | None = None,
-                 grammar_drafting: bool = True) -> list[RequestResult]:
+                 grammar_drafting: bool = True, forced_spans: ForcedSpans | None = None) -> list[RequestResult]:
         """Generate for a batch. `chooser` picks each request's tree per step. `observer(state, lens,
         drafting, active)`, if given, sees the drafter state of every step before the tree is chosen
         (`state.root_logits` already masked by each request's grammar when drafts are masked).
@@ -122,14 +125,20 @@ class Engine:
         every tree node are masked by that node's grammar state, so the output equals constrained
         plain decoding. With `grammar_drafting`, drafts are masked too (illegal branches are pruned)
         and the entropy the policy sees is the masked one; without it the grammar acts only at
-        verification, as in SGLang."""
+        verification, as in SGLang.
+
+        `forced_spans` (`forced.ForcedSpans`): below every leaf of a constrained request's tree, the text its
+        grammar alone decides there, as the tokenizer spells it, verified like any draft; a request whose span
+        after the root is worth its tree's depth drafts nothing that step (`forced.py`). Each result's `forced`
+        counts them and its steps are `forced.ForcedStepRecord`s."""
         for p in prompts:
             self.check_request(p, max_new_tokens)
         gen = torch.Generator().manual_seed(seed)
         b = len(prompts)
-        results = [RequestResult(list(p)) for p in prompts]
+        results = [RequestResult(list(p), forced=ForcedStats() if forced_spans is not None else None)
+                   for p in prompts]
         drafting = make_drafting(self.drafter_kind, self.drafter, self.target)
-        max_nodes_guess = 64
+        max_nodes_guess = 64 + (forced_spans.config.max_nodes if forced_spans is not None else 0)
         capacity = max(len(p) for p in prompts) + max_new_tokens + max_nodes_guess + 2
         cache = self.target.new_cache(b, capacity)
 
@@ -171,7 +180,9 @@ class Engine:
             t0 = time.perf_counter()
             if rests is not None and rests([i for i, a in enumerate(active) if a]):
                 feats, roots, commit = self._plain_step(feats, roots, lens, cache, sampling, gen, grammars,
-                                                        active, results, max_new_tokens, t0, capture)
+                                                        active, results, max_new_tokens, t0, capture,
+                                                        self._forced_step(forced_spans, grammars, active, results,
+                                                                          lens, max_new_tokens))
                 deferred.append(commit)
                 continue
             if deferred:
@@ -181,31 +192,42 @@ class Engine:
             if observer is not None:  # after the grammar mask: it sees what the choosers' views carry
                 observer(state, lens, drafting, active)
             views, chosen = self._choose_trees(chooser, state, results, active, lens, drafting)
+            forced = self._forced_step(forced_spans, grammars, active, results, lens, max_new_tokens)
+            only = forced.forced_only_rows(chosen) if forced is not None else set()
+            drafted = [Tree.chain(0) if i in only else t for i, t in enumerate(chosen)]
             restage = chooser.restage if getattr(chooser, "staged", False) else None
-            tokens, trees, staged = self._draft(drafting, state, chosen, legal, restage, active)  # as verified
+            tokens, trees, staged = self._draft(drafting, state, drafted, legal, restage, active)
+            if forced is not None:  # the grammar's spans below the leaves: the trees as verified
+                tokens, trees = forced.extend(tokens, trees)
             accepted, features, logits = self._verify(tokens, trees, lens, cache, sampling, gen, grammars, active,
                                                       capture)
             feats, roots, commit = self._commit(accepted, features, lens, cache, state, active)
             drafting.commit(*commit)
             names = [staged[i][0].name if i in staged else t.name for i, t in enumerate(chosen)]
+            depths = [staged[i][0].max_depth if i in staged else getattr(t, "wide", t).max_depth
+                      for i, t in enumerate(chosen)]
             self._record(results, views, names, trees, accepted, logits, grammars, active,
-                         max_new_tokens, time.perf_counter() - t0)
+                         max_new_tokens, time.perf_counter() - t0, forced=forced, chosen_depths=depths)
         return results
 
     def _plain_step(self, feats, roots, lens, cache, sampling, gen, grammars, active, results, max_new_tokens, t0,
-                    capture=None):
-        """A step that rests the drafter: every request verifies its root alone (chain:0). Returns the next
-        features and roots, and the draft-cache commit to apply before the drafter runs again."""
+                    capture=None, forced: ForcedStep | None = None):
+        """A step that rests the drafter: every request verifies its root alone (chain:0), with the forced span
+        after it where `forced`. Returns the next features and roots, and the draft-cache commit to apply before
+        the drafter runs again."""
         b = len(results)
         chain0 = Tree.chain(0)
         trees = [chain0] * b
         state = DraftState(feats, roots, None)
-        accepted, features, logits = self._verify(roots.view(b, 1).clone(), trees, lens, cache, sampling, gen,
-                                                  grammars, active, capture)
+        tokens = roots.view(b, 1).clone()
+        if forced is not None:
+            tokens, trees = forced.extend(tokens, trees)
+        accepted, features, logits = self._verify(tokens, trees, lens, cache, sampling, gen, grammars, active,
+                                                  capture)
         feats, roots, commit = self._commit(accepted, features, lens, cache, state, active)
         views = [StepView(i, 0.0, (), sum(active), int(lens[i])) for i in range(b)]
         self._record(results, views, [chain0.name] * b, trees, accepted, logits, grammars, active,
-                     max_new_tokens, time.perf_counter() - t0, rested=True)
+                     max_new_tokens, time.perf_counter() - t0, rested=True, forced=forced, chosen_depths=[0] * b)
         return feats, roots, commit
 
     # -- one decode step, in order ----------------------------------------------------------------
@@ -242,9 +264,10 @@ class Engine:
         return views, trees
 
     def _record(self, results, views, names, trees, accepted, logits, grammars, active, max_new_tokens, seconds,
-                rested: bool = False):
+                rested: bool = False, forced: ForcedStep | None = None, chosen_depths: list[int] | None = None):
         """Append each active request's accepted tokens (cut at max_new_tokens and eos), advance its
-        grammar, log the step (under the chosen tree's name; its nodes as verified), and update `active`."""
+        grammar, log the step (under the chosen tree's name; its nodes as verified), and update `active`.
+        With `forced`, the record also counts the step's forced spans (`ForcedStep.record`)."""
         for i, r in enumerate(results):
             if not active[i]:
                 continue
@@ -259,10 +282,23 @@ class Engine:
             if grammars[i] is not None:
                 grammars[i].advance(new)
             v = views[i]
-            r.steps.append(StepRecord(names[i], trees[i].num_nodes, acc.num_accepted, ent,
-                                      v.draft_entropy, seconds, v.draft_margin, rested))
+            rec = StepRecord(names[i], trees[i].num_nodes, acc.num_accepted, ent, v.draft_entropy, seconds,
+                             v.draft_margin, rested)
+            if forced is not None:
+                rec = forced.record(i, rec, acc.nodes, min(len(new), acc.num_accepted), chosen_depths[i])
+            r.steps.append(rec)
             r.output_ids.extend(new)
             active[i] = not self._finished(r, max_new_tokens, grammars[i])
+
+    def _forced_step(self, spans: ForcedSpans | None, grammars, active, results, lens, max_new_tokens
+                     ) -> ForcedStep | None:
+        """This step's forced spans (None without `forced_spans` or grammars). A request may verify as many
+        levels below its root as fit before the context limit and are still wanted (max_new_tokens)."""
+        if spans is None or all(g is None for g in grammars):
+            return None
+        room = [max(0, min(self.context - int(lens[i]) - 1, max_new_tokens - len(r.output_ids) - 1))
+                for i, r in enumerate(results)]
+        return ForcedStep(spans, grammars, active, [r.forced for r in results], room)
 
     # ------------------------------------------------------------------------------------------
     def _finished(self, r: RequestResult, max_new_tokens: int, grammar=None) -> bool:

@@ -26,6 +26,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
 
+import torch
+
+from ..policy.chooser import StepRecord
 from ..tree import Tree
 
 
@@ -88,6 +91,19 @@ class ForcedStats:
                 "tried": self.tried, "accepted": self.accepted, "output_tokens": self.output_tokens,
                 "share_of_output": round(self.share(output_len), 4), "mean_span": round(self.mean_span, 3),
                 "acceptance": None if a != a else round(a, 4)}
+
+
+@dataclass
+class ForcedStepRecord(StepRecord):
+    """A step of a request served with forced spans. `accepted` is what a policy's acceptance feedback reads: the
+    accepted nodes up to the depth of the tree the policy chose (forced tokens within that depth stand in for the
+    drafts it would have made there under the grammar's mask; beyond it they are the grammar's, not the
+    drafter's); `accepted_all` counts every accepted node, forced ones included."""
+
+    accepted_all: int = 0
+    forced_nodes: int = 0  # forced nodes verified this step
+    forced_accepted: int = 0  # of them, on the accepted path
+    forced_only: bool = False  # the drafter drafted nothing for the request: its span alone was verified
 
 
 @dataclass(frozen=True)
@@ -219,3 +235,66 @@ class ForcedSpans:
         self.seen.add(step)
         return step.accepted
 
+
+
+class ForcedStep:
+    """One decode step's forced spans for a batch, between the engine's phases:
+
+        only = step.forced_only_rows(chosen)      # after the policy chose: rows that draft nothing (chain:0)
+        tokens, trees = step.extend(tokens, trees) # after drafting: spans below every leaf, as verified
+        record = step.record(i, base, accepted, kept, chosen_depth)   # after verification, per request
+
+    `room[i]`: how many levels below the root request i may verify this step (context, max_new_tokens)."""
+
+    def __init__(self, spans: ForcedSpans, grammars: list, active: list[bool], stats: list[ForcedStats],
+                 room: list[int]):
+        self.spans, self.grammars, self.active, self.stats, self.room = spans, grammars, active, stats, room
+        self.exts: list[Extended | None] = [None] * len(grammars)
+        self.only: set[int] = set()
+
+    def _rows(self):
+        return [i for i, g in enumerate(self.grammars) if g is not None and self.active[i] and self.room[i] > 0]
+
+    def forced_only_rows(self, chosen: list) -> set[int]:
+        """The rows whose span after the root is worth at least their chosen tree's depth (`forced_only`)."""
+        for i in self._rows():
+            tree = getattr(chosen[i], "wide", chosen[i])  # an EAGLE-2 style DynamicTree: its widest form
+            if tree.max_depth == 0:
+                continue
+            span = self.spans.root_span(self.grammars[i], self.room[i])
+            if self.spans.forced_only(len(span), tree, self.stats[i]):
+                self.only.add(i)
+        return self.only
+
+    def extend(self, tokens, trees: list[Tree]):
+        """(B, N) drafted tokens and the trees as drafted -> the same with every leaf's span below it."""
+        rows = self._rows()
+        if not rows:
+            return tokens, trees
+        trees = list(trees)
+        for i in rows:
+            ext = self.spans.extend(trees[i], tokens[i, : trees[i].num_nodes].tolist(), self.grammars[i],
+                                    self.room[i])
+            if ext.spans:
+                self.exts[i], trees[i] = ext, ext.tree
+        if all(e is None for e in self.exts):
+            return tokens, trees
+        out = torch.zeros((len(trees), max(t.num_nodes for t in trees)), dtype=torch.int64)
+        for i, t in enumerate(trees):
+            ext = self.exts[i]
+            out[i, : t.num_nodes] = torch.tensor(ext.tokens) if ext is not None else tokens[i, : t.num_nodes]
+        return out, trees
+
+    def record(self, i: int, base: StepRecord, nodes: tuple[int, ...], kept: int, chosen_depth: int
+               ) -> ForcedStepRecord:
+        """Request i's step record: `base` as the engine logs it, `nodes` the accepted path (root first), `kept`
+        the accepted drafts that entered the output (after max_new_tokens and eos cuts), `chosen_depth` the
+        depth of the tree the policy chose."""
+        ext, forced_accepted = self.exts[i], 0
+        if ext is not None:
+            forced_accepted = self.spans.verified(ext, nodes, self.stats[i])
+            self.stats[i].output_tokens += sum(1 for n in nodes[1: 1 + kept] if n >= ext.num_drafted)
+        fields = {k: getattr(base, k) for k in StepRecord.__dataclass_fields__}
+        fields["accepted"] = min(base.accepted, chosen_depth)
+        return ForcedStepRecord(**fields, accepted_all=base.accepted, forced_nodes=ext.num_forced if ext else 0,
+                                forced_accepted=forced_accepted, forced_only=i in self.only)
