@@ -1,0 +1,151 @@
+"""Forced spans in the reference engine: JSON under held-out schemas with and without jump-forward drafting.
+
+    .venv/bin/python bench/forced_spans.py                      # SmolLM2 + EAGLE, 4 schemas, 96 new tokens
+    .venv/bin/python bench/forced_spans.py --model entmtp-tiny --drafter hydra --schemas 2
+
+After one untimed warm-up, per prompt, greedy, batch 1, in each repeat and in this order: plain decoding under
+the grammar, the policy without forced spans, the policy with them (`engine/forced.py`). Every output must equal
+plain's (asserted).
+Reports tokens/s (median over repeats of total tokens / total seconds), tokens per target pass, and for the
+forced run the share of output tokens that came from forced spans, their acceptance (per token, from the first
+token of each span reached) and mean span length. Writes <out>.jsonl (one row per mode, with the
+configuration and commit) and <out>.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from entmtp_sglang.engine.engine import Engine, static_chooser
+from entmtp_sglang.engine.forced import ForcedSpanConfig, ForcedSpans, ForcedStats
+from entmtp_sglang.engine.plain import generate_plain
+from entmtp_sglang.grammar import GrammarSpec, RequestGrammar, compile_grammar
+from entmtp_sglang.model.load import load_bundle
+from entmtp_sglang.policy.policies import entmtp_policy
+from entmtp_sglang.tasks import load_prompts, load_schema
+from entmtp_sglang.tree import Tree
+from entmtp_sglang.tree.treeset import load_tree_set
+
+ROOT = Path(__file__).resolve().parent.parent
+TREE_SET = {"smollm2": "smollm2-135m-instruct", "entmtp-tiny": "entmtp-tiny"}
+
+
+def schema_items(bundle, limit: int, compact: bool):
+    from entmtp_sglang.grammar import GrammarError
+
+    out = []
+    vocab = bundle.target.shape.vocab_size
+    for item in load_prompts("json", "test"):
+        try:
+            compiled = compile_grammar(GrammarSpec("json_schema", json.dumps(load_schema(item)), compact=compact),
+                                       str(bundle.path), vocab)
+        except GrammarError:
+            continue
+        out.append((item, compiled))
+        if len(out) >= limit:
+            break
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2", choices=sorted(TREE_SET))
+    ap.add_argument("--drafter", default="eagle")
+    ap.add_argument("--schemas", type=int, default=4)
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--max-span", type=int, default=16, help="forced tokens per span (ForcedSpanConfig.max_tokens)")
+    ap.add_argument("--tree", default="", help="a static tree (e.g. chain:2) instead of the EntMTP policy")
+    ap.add_argument("--free-whitespace", action="store_true", help="JSON with free whitespace (not compact)")
+    ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "forced_spans")
+    args = ap.parse_args(argv)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=ROOT).stdout.strip()
+    b = load_bundle(None if args.model == "entmtp-tiny" else Path(args.model), drafter=args.drafter)
+    vocab = b.target.shape.vocab_size
+    engine = Engine(b.target, args.drafter, b.drafter, b.eos_token_id)
+    items = schema_items(b, args.schemas, compact=not args.free_whitespace)
+    if args.tree:
+        make_chooser = lambda: static_chooser(Tree.parse(args.tree))  # noqa: E731
+    else:
+        ts = load_tree_set(ROOT / "trees" / f"{TREE_SET[args.model]}-{args.drafter}-json-grammar.json",
+                           drafter=args.drafter)
+        make_chooser = lambda: entmtp_policy(ts)  # noqa: E731
+    config = ForcedSpanConfig(max_tokens=args.max_span, max_nodes=max(48, args.max_span))
+    modes = ("plain", "policy", "policy + forced spans")
+    seconds = {m: [] for m in modes}
+    tokens = {m: 0 for m in modes}
+    passes = {m: 0 for m in modes}
+    forced_total = ForcedStats()
+    plain_out: dict[str, list[int]] = {}
+    item, compiled = items[0]  # warm-up (grammar compilation, kernels, caches), not timed
+    generate_plain(b.target, b.prompt_ids(item), 8, grammar=RequestGrammar(compiled, vocab))
+    for spans in (None, ForcedSpans.for_tokenizer(b.tokenizer, config)):
+        engine.generate([b.prompt_ids(item)], 8, make_chooser(), grammars=[RequestGrammar(compiled, vocab)],
+                        forced_spans=spans)
+    for rep in range(args.repeats):
+        spent = {m: 0.0 for m in modes}
+        forced = ForcedSpans.for_tokenizer(b.tokenizer, config)  # a fresh calibration per repeat
+        for item, compiled in items:
+            prompt = b.prompt_ids(item)
+            t0 = time.perf_counter()
+            ref = generate_plain(b.target, prompt, args.max_new_tokens, eos_token_id=b.eos_token_id,
+                                 grammar=RequestGrammar(compiled, vocab))
+            spent["plain"] += time.perf_counter() - t0
+            plain_out[item["id"]] = ref
+            for mode, spans in (("policy", None), ("policy + forced spans", forced)):
+                t0 = time.perf_counter()
+                r = engine.generate([prompt], args.max_new_tokens, make_chooser(),
+                                    grammars=[RequestGrammar(compiled, vocab)], forced_spans=spans)[0]
+                spent[mode] += time.perf_counter() - t0
+                assert r.output_ids == ref, f"{mode}: output differs from plain on {item['id']}"
+                if rep == 0:
+                    tokens[mode] += len(r.output_ids)
+                    passes[mode] += 1 + len(r.steps)
+                    if spans is not None:
+                        forced_total.add(r.forced)
+            if rep == 0:
+                tokens["plain"] += len(ref)
+                passes["plain"] += len(ref)
+        for m in modes:
+            seconds[m].append(spent[m])
+        print(f"repeat {rep}: " + ", ".join(f"{m} {tokens[m] / spent[m]:.1f} tok/s" for m in modes), flush=True)
+    tps = {m: statistics.median(tokens[m] / s for s in seconds[m]) for m in modes}
+    common = {"model": args.model, "drafter": args.drafter, "chooser": args.tree or "entmtp",
+              "schemas": len(items), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+              "layout": "free whitespace" if args.free_whitespace else "compact", "max_span": args.max_span,
+              "commit": commit}
+    rows = []
+    for m in modes:
+        row = {**common, "mode": m, "tokens_per_s": round(tps[m], 2), "ratio_to_plain": round(tps[m] / tps["plain"], 3),
+               "tokens_per_pass": round(tokens[m] / passes[m], 3), "outputs_equal_plain": True,
+               "seconds": [round(s, 3) for s in seconds[m]]}
+        if m == "policy + forced spans":
+            row["forced"] = forced_total.to_json(tokens[m])
+            row["ratio_to_policy"] = round(tps[m] / tps["policy"], 3)
+        rows.append(row)
+    f = forced_total.to_json(tokens["policy + forced spans"])
+    table = ["| mode | tok/s | vs plain | tokens per pass |", "|---|---|---|---|"]
+    table += [f"| {r['mode']} | {r['tokens_per_s']:.1f} | {r['ratio_to_plain']:.2f}x | {r['tokens_per_pass']:.2f} |"
+              for r in rows]
+    table += ["", f"Forced spans: {f['share_of_output']:.0%} of the output, acceptance {f['acceptance']} per token, "
+              f"mean span {f['mean_span']:.1f} tokens ({f['spans']} spans drafted, {f['spans_reached']} reached). "
+              f"{args.model} + {args.drafter}, {common['chooser']}, {len(items)} held-out schemas ({common['layout']} "
+              f"JSON), {args.max_new_tokens} new tokens, greedy, batch 1, median of {args.repeats} repeats; every "
+              f"output equal to plain decoding's. Commit {commit}."]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out.with_suffix(".jsonl"), "w") as fh:
+        for r in rows:
+            fh.write(json.dumps(r) + "\n")
+    args.out.with_suffix(".md").write_text("\n".join(table) + "\n")
+    print("\n".join(table))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
