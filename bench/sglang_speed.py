@@ -24,10 +24,12 @@ static EAGLE setting's and adaptive's.
 
 Workloads (held-out prompts through the model's chat template, greedy, float32): code, chat, prose, JSON under a
 schema (the json task's schemas), tool calls under a schema (bench/workloads/tool_calls.json), each at batch 1
-and 4; the mixed stream (all of them) at batch 8 and 16, and at batch 1 and 4 as the sum of the five tasks' runs
-(the same requests: tokens over seconds added up). The servers of a wave are measured interleaved
-(entmtp_sglang/bench/sglang_benchmark.py); tokens/s is the median over repeats, and every output is compared with
-plain decoding's (with this package) and stock SGLang's.
+and 4; the mixed stream (all of them, task after task) at batch 8 and 16, and at batch 1 and 4 as the sum of the
+five tasks' runs (the same requests: tokens over seconds added up); the mixed batch (JSON, tool calls, code and chat
+taken in turn, so that every batch in flight mixes them, as agent traffic does) at batch 4, 8 and 16, with a table of
+the trees each kind of request took inside it (ENTMTP picks a tree per request). The servers of a wave are measured
+interleaved (entmtp_sglang/bench/sglang_benchmark.py); tokens/s is the median over repeats, and every output is
+compared with plain decoding's (with this package) and stock SGLang's.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import re
 import time
 from pathlib import Path
 
@@ -62,18 +65,24 @@ TOOLS = ROOT / "bench" / "workloads" / "tool_calls.json"
 ENTMTP = SystemSpec("entmtp", "ENTMTP")
 # SGLang's EAGLE and --speculative-adaptive as close to stock as they run on a CPU (module docstring)
 EAGLE_SGLANG_LAYERS = tuple(sglang_layers(s) for s in (ADAPTIVE, *EAGLE_GRID))
+# ENTMTP as it was before each request drafted its own tree: one tree for the whole batch (an ablation; not run
+# unless named)
+ENTMTP_ONE_TREE = SystemSpec("entmtp-one-tree", "ENTMTP", env=(("ENTMTP_PER_ROW_TREES", "0"),))
 # stock and plain in every wave; ENTMTP's wave first, beside adaptive
 SYSTEMS = (STOCK, PLAIN, ENTMTP, *EAGLE_SGLANG_LAYERS)
+OPTIONAL = (ENTMTP_ONE_TREE,)
 EVERY_WAVE = (STOCK.name, PLAIN.name)
 DEFAULT = tuple(s.name for s in SYSTEMS)
 AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB
 TASKS = ("code", "chat", "prose", "json", "tool-call")
+# the mixed batch: agent traffic, every batch in flight mixing schema extraction, tool calls, code and chat
+MIXED_BATCH_TASKS = ("json", "tool-call", "code", "chat")
 
 
 def systems_for(names: list[str], eagle_layers: str = "sglang") -> list[SystemSpec]:
     """The specs to run, in SYSTEMS' order: the named ones and the baseline (stock SGLang), which every ratio needs.
     `eagle_layers="package"`: EAGLE and adaptive on this package's linear layers instead of SGLang's."""
-    specs = SYSTEMS if eagle_layers == "sglang" else (STOCK, PLAIN, ENTMTP, ADAPTIVE, *EAGLE_GRID)
+    specs = (SYSTEMS if eagle_layers == "sglang" else (STOCK, PLAIN, ENTMTP, ADAPTIVE, *EAGLE_GRID)) + OPTIONAL
     wanted = set(names) | {STOCK.name}
     return [s for s in specs if s.name in wanted]
 
@@ -112,6 +121,54 @@ def workloads(tokenizer, per_task: int, max_new: int) -> dict[str, list[dict]]:
     return out
 
 
+def interleave(tasks: dict[str, list[dict]], names=MIXED_BATCH_TASKS) -> tuple[list[dict], list[str]]:
+    """The mixed batch's payloads and their task labels: the named tasks' prompts taken in turn (one of each, then
+    the next of each, ...), so that any few consecutive requests, and so every batch in flight, mix the tasks."""
+    payloads, labels = [], []
+    for i in range(max((len(tasks[n]) for n in names), default=0)):
+        for n in names:
+            if i < len(tasks[n]):
+                payloads.append(tasks[n][i])
+                labels.append(n)
+    return payloads, labels
+
+
+def tree_size(name: str) -> tuple[int, int] | None:
+    """(nodes, depth) of a tree as ENTMTP names it: "b3n3d2" (3 nodes, depth 2), "chain:k" (k + 1 nodes, depth k),
+    "rest" / "plain" (1, 0); None for a name of another form."""
+    if name in ("rest", "plain"):
+        return 1, 0
+    m = re.fullmatch(r"chain:(\d+)", name)
+    if m:
+        return int(m.group(1)) + 1, int(m.group(1))
+    m = re.search(r"n(\d+)d(\d+)$", name)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def trees_per_label(rows: list[Row]) -> str:
+    """Inside the mixed batch, the trees each kind of request took (ENTMTP's per-request choices): steps, mean
+    nodes and depth, the share of steps resting, the commonest trees. Empty when no row has per-label trees."""
+    lines = []
+    for r in rows:
+        for label, trees in sorted(r.trees_by_label.items(), key=lambda kv: MIXED_BATCH_TASKS.index(kv[0])
+                                   if kv[0] in MIXED_BATCH_TASKS else len(MIXED_BATCH_TASKS)):
+            sizes = [(tree_size(t), n) for t, n in trees.items()]
+            steps = sum(trees.values())
+            known = [(sz, n) for sz, n in sizes if sz is not None]
+            k = sum(n for _, n in known)
+            nodes = f"{sum(sz[0] * n for sz, n in known) / k:.2f}" if k else ""
+            depth = f"{sum(sz[1] * n for sz, n in known) / k:.2f}" if k else ""
+            resting = sum(n for t, n in trees.items() if t in ("rest", "chain:0"))
+            top = ", ".join(f"{t} {n}" for t, n in trees.most_common(4))
+            lines.append(f"| {r.system} | {r.batch} | {label} | {steps} | {nodes} | {depth} | "
+                         f"{resting / steps:.0%} | {top} |")
+    if not lines:
+        return ""
+    return ("Inside the mixed batch, per kind of request (the median repeat's steps; resting = `rest` or `chain:0`):"
+            "\n\n| system | batch | request | steps | mean nodes | mean depth | resting | trees |\n"
+            "|---|---|---|---|---|---|---|---|\n" + "\n".join(lines))
+
+
 def _per_repeat(parts: list[tuple[int, list[float]]]) -> list[float]:
     """Tokens/s of a sum of runs in each repeat: every part's tokens over its seconds in that repeat, added up
     (`parts`: (tokens, tokens/s per repeat)); empty when the parts' repeats do not line up."""
@@ -130,7 +187,7 @@ def mixed_rows(rows: list[Row], batches) -> list[Row]:
     for b in batches:
         base = {r.task: r for r in rows if r.system == baseline and r.batch == b}
         for system in dict.fromkeys(r.system for r in rows):
-            part = [r for r in rows if r.system == system and r.batch == b and r.task not in ("", "mixed")]
+            part = [r for r in rows if r.system == system and r.batch == b and r.task in TASKS]
             if part:
                 eq = [r.equal_to_plain for r in part]
                 eq_stock = [r.equal_to_stock for r in part]
@@ -179,7 +236,8 @@ def tables(rows: list[Row], meta: dict | None = None) -> str:
     if "entmtp" in names and (statics or ADAPTIVE.name in names):
         text += (f"\n\nENTMTP's paired ratio to {base} over each system's (the best static EAGLE setting named):\n\n"
                  + versus(rows, "entmtp", {"best static EAGLE": statics, "adaptive": [ADAPTIVE.name]}))
-    return text
+    per_label = trees_per_label(rows)
+    return text + (f"\n\n{per_label}" if per_label else "")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -194,13 +252,18 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--systems", default=",".join(DEFAULT), help="comma-separated, from: " + ", ".join(
-        s.name for s in SYSTEMS) + f" (default: all); {STOCK.name}, the baseline, always runs")
-    ap.add_argument("--tasks", default=",".join(TASKS) + ",mixed", help="comma-separated workloads, from: "
-                    + ", ".join(TASKS) + ", mixed (the mixed stream: all the tasks' prompts) (default: all)")
+        s.name for s in SYSTEMS + OPTIONAL) + f" (default: all but {', '.join(s.name for s in OPTIONAL)}); "
+        f"{STOCK.name}, the baseline, always runs")
+    ap.add_argument("--tasks", default=",".join(TASKS) + ",mixed,mixed-batch", help="comma-separated workloads, "
+                    "from: " + ", ".join(TASKS) + ", mixed (the mixed stream: all the tasks' prompts, task after "
+                    "task), mixed-batch (" + ", ".join(MIXED_BATCH_TASKS) + " taken in turn, so every batch in "
+                    "flight mixes them) (default: all)")
     ap.add_argument("--batches", type=_ints, default=(1, 4), help="batch sizes of each task (default 1,4; the mixed "
                     "rows at these batch sizes sum the runs of the tasks measured)")
     ap.add_argument("--mixed-batches", type=_ints, default=(8, 16), help="batch sizes of the mixed stream, measured "
                     "as one workload (default 8,16; empty: none)")
+    ap.add_argument("--mixed-batch-batches", type=_ints, default=(4, 8, 16), help="batch sizes of the mixed batch "
+                    "(default 4,8,16; it has per-task x 4 requests)")
     ap.add_argument("--eagle-layers", choices=("sglang", "package"), default="sglang", help="linear layers of the "
                     "EAGLE and adaptive servers: SGLang's own (default: the closest to stock SGLang they run in on a "
                     "CPU) or this package's")
@@ -223,19 +286,22 @@ def main() -> None:
 
     model = resolve_alias(args.model)
     names = [n for n in args.systems.split(",") if n]
-    unknown = sorted(set(names) - {s.name for s in SYSTEMS})
+    unknown = sorted(set(names) - {s.name for s in SYSTEMS + OPTIONAL})
     if unknown:
         ap.error(f"unknown system(s) {', '.join(unknown)}")
     chosen = [t for t in args.tasks.split(",") if t]
-    bad = sorted(set(chosen) - set(TASKS) - {"mixed"})
+    bad = sorted(set(chosen) - set(TASKS) - {"mixed", "mixed-batch"})
     if bad or not chosen:
-        ap.error(f"unknown task(s) {', '.join(bad) or '(none)'}; choose from {', '.join(TASKS)}, mixed")
+        ap.error(f"unknown task(s) {', '.join(bad) or '(none)'}; choose from {', '.join(TASKS)}, mixed, mixed-batch")
     kv = ("--max-total-tokens", "6000")   # the longest batch here needs under 5k tokens of KV
     systems = [dataclasses.replace(s, args=s.args + kv) for s in systems_for(names, args.eagle_layers)]
     tasks = workloads(AutoTokenizer.from_pretrained(str(model)), args.per_task, args.max_new_tokens)
     work = {task: (items, tuple(args.batches)) for task, items in tasks.items() if task in chosen and args.batches}
     if "mixed" in chosen and args.mixed_batches:
         work["mixed"] = ([p for t in TASKS for p in tasks[t]], tuple(args.mixed_batches))
+    if "mixed-batch" in chosen and args.mixed_batch_batches:
+        payloads, labels = interleave(tasks)
+        work["mixed-batch"] = (payloads, tuple(args.mixed_batch_batches), labels)
     if not work:
         ap.error("nothing to measure: no task at any batch size")
     every = tuple(n for n in EVERY_WAVE if n in {s.name for s in systems})

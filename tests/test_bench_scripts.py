@@ -291,3 +291,33 @@ def test_step_profile_reports_each_step_against_the_stock_plain_step_and_the_goa
     # a run from before the stock server: the plain step is the reference, as the committed results show
     old = prof.table([r for r in rows if r["tree"] != "plain-stock"], {})
     assert "vs plain step (paired)" in old[0] and "stock" not in old[0] and not any("Goals" in ln for ln in old)
+
+
+def test_the_mixed_batch_takes_the_tasks_in_turn_and_reports_each_kinds_trees(tmp_path):
+    """bench/sglang_speed.py's mixed batch: JSON, tool calls, code and chat taken in turn (so every batch in flight
+    mixes them), labelled per request; its rows are not summed into the mixed stream; the per-kind tree table reads
+    ENTMTP's tree names (nodes and depth) and survives a round trip through the run's JSON lines."""
+    import collections
+
+    from entmtp_sglang.bench.sglang_benchmark import Row, rows_from_jsonl, write
+
+    speed = load_script("sglang_speed")
+    tasks = {t: [{"text": f"{t}{i}"} for i in range(3 if t == "chat" else 2)] for t in speed.TASKS}
+    payloads, labels = speed.interleave(tasks)
+    assert labels == ["json", "tool-call", "code", "chat"] * 2 + ["chat"]
+    assert [p["text"] for p in payloads[:5]] == ["json0", "tool-call0", "code0", "chat0", "json1"]
+    assert speed.tree_size("b3n3d2") == (3, 2) and speed.tree_size("chain:2") == (3, 2)
+    assert speed.tree_size("rest") == (1, 0) and speed.tree_size("odd") is None
+    row = Row("entmtp", 4, 100, 5.0, requests=9, task="mixed-batch",
+              trees_by_label={"chat": collections.Counter({"rest": 3, "b0n2d1": 1}),
+                              "json": collections.Counter({"b3n3d2": 2, "b1n6d2": 2})})
+    plain = Row("plain-stock", 4, 100, 10.0, requests=9, task="mixed-batch")
+    assert speed.mixed_rows([row, plain], (4,)) == []
+    table = speed.trees_per_label([row])
+    assert table.index("| json |") < table.index("| chat |")      # in the mixed batch's task order
+    assert "| entmtp | 4 | json | 4 | 4.50 | 2.00 | 0% | b3n3d2 2, b1n6d2 2 |" in table, table
+    assert "| entmtp | 4 | chat | 4 | 1.25 | 0.25 | 75% | rest 3, b0n2d1 1 |" in table, table
+    write([row, plain], tmp_path, {"run": 1}, name="run")
+    back = {r.system: r for r in rows_from_jsonl(tmp_path / "run.jsonl")}
+    assert back["entmtp"].trees_by_label == row.trees_by_label and back["plain-stock"].trees_by_label == {}
+    assert "Inside the mixed batch" in speed.tables(list(back.values()))

@@ -271,6 +271,9 @@ class Row:
     # when the run has it, else plain decoding); empty: the baseline's own repeats
     plain_repeat_tokens_per_s: list[float] = field(default_factory=list)
     equal_to_stock: int | None = None   # outputs equal to stock SGLang's (STOCK); None: no stock run to compare
+    # a workload whose requests carry labels (the mixed batch: each request's task): label -> trees its requests'
+    # steps took (ENTMTP's meta_info, one tree name per step per request)
+    trees_by_label: dict[str, collections.Counter] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -350,6 +353,7 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
     each system's paired ratio divides by the baseline's tokens/s in the same wave and repeat. `on_repeat(rows,
     done)` after each repeat of each wave (`done`: repeats finished over all waves)."""
     systems = list(systems)
+    labels = {task: (w[2] if len(w) > 2 else None) for task, w in workloads.items()}
     baseline = baseline or default_baseline(systems)
     if baseline is not None and baseline not in {s.name for s in systems}:
         raise ValueError(f"the baseline {baseline!r} is not one of the systems run")
@@ -374,7 +378,8 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
                 for task, b in keys:
                     base_tps = None
                     for spec in order:
-                        row = measure(pool[spec.name], spec, workloads[task][0], b, reference, task, stock)
+                        row = measure(pool[spec.name], spec, workloads[task][0], b, reference, task, stock,
+                                      labels[task])
                         runs[(spec.name, task, b)].append(row)
                         if spec.name == baseline:
                             base_tps = row.tokens_per_s
@@ -392,19 +397,24 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
 
 def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: int,
             reference: dict[tuple[str, int], list], task: str = "",
-            stock: dict[tuple[str, int], list] | None = None) -> Row:
+            stock: dict[tuple[str, int], list] | None = None, labels: list[str] | None = None) -> Row:
     """`payloads` (/generate) through `srv` with `batch` requests in flight: one Row. Plain decoding's outputs with
     this package (token ids) become `reference[(task, batch)]`, stock SGLang's `stock[(task, batch)]` (the first
     run of each is kept); every other system's are compared with them (`equal_to_plain`, `equal_to_stock`), and
-    each of the two with the other."""
+    each of the two with the other. `labels` (one per payload): the trees each label's requests took
+    (`Row.trees_by_label`)."""
+    if labels is not None and len(labels) != len(payloads):
+        raise ValueError(f"{len(labels)} labels for {len(payloads)} payloads")
     outs, secs = concurrent_generate(srv, payloads, batch)
     row = Row(spec.name, batch, sum(o["meta_info"]["completion_tokens"] for o in outs), secs,
               requests=len(outs), task=task)
-    for o in outs:
+    for i, o in enumerate(outs):
         m = o["meta_info"]
         if m.get("spec_verify_ct"):
             row.accept_lengths.append(m["spec_accept_length"])
         row.trees.update(m.get("entmtp_trees", []))
+        if labels is not None and m.get("entmtp_trees"):
+            row.trees_by_label.setdefault(labels[i], collections.Counter()).update(m["entmtp_trees"])
     ids = [o["output_ids"] for o in outs]
     key, is_stock = (task, batch), getattr(spec, "stock", False)
     plain, stock_plain = spec.speculative is None and not is_stock, spec.speculative is None and is_stock
@@ -530,7 +540,8 @@ def rows_from_jsonl(path: Path) -> list[Row]:
         acc = [] if d.get("mean_accept_length") is None else [d["mean_accept_length"]]
         out.append(Row(d["system"], d["batch"], d["tokens"], d["seconds"], acc, collections.Counter(d["trees"]),
                        d["equal_to_plain"], d["requests"], list(d.get("repeat_tokens_per_s") or []), d["task"],
-                       list(d.get("plain_repeat_tokens_per_s") or []), d.get("equal_to_stock")))
+                       list(d.get("plain_repeat_tokens_per_s") or []), d.get("equal_to_stock"),
+                       {k: collections.Counter(v) for k, v in (d.get("trees_by_label") or {}).items()}))
     return out
 
 
@@ -544,5 +555,7 @@ def write(rows: list[Row], out_dir: Path, config: dict, name: str = "sglang_cpu"
                                 "mean_accept_length": r.mean_accept, "equal_to_plain": r.equal_to_plain,
                                 "equal_to_stock": r.equal_to_stock, "requests": r.requests, "trees": dict(r.trees),
                                 "repeat_tokens_per_s": r.repeat_tokens_per_s,
-                                "plain_repeat_tokens_per_s": r.plain_repeat_tokens_per_s}) + "\n")
+                                "plain_repeat_tokens_per_s": r.plain_repeat_tokens_per_s,
+                                **({"trees_by_label": {k: dict(v) for k, v in r.trees_by_label.items()}}
+                                   if r.trees_by_label else {})}) + "\n")
     (out_dir / f"{name}.md").write_text(to_markdown(rows) + "\n")
