@@ -45,7 +45,7 @@ STEP_WEIGHT = 0.8  # EAGLE-3's per-level loss decay
 class TrainConfig:
     steps: int = 3  # training-time-test levels
     window: int = 512  # positions per training window
-    batch_tokens: int = 4096
+    batch_tokens: int = 2048  # padded positions per optimizer step
     lr: float = 6e-4
     warmup: float = 0.03  # share of the run
     weight_decay: float = 0.0
@@ -264,6 +264,8 @@ def new_drafter(target_cfg: dict, capture: tuple[int, ...], draft_ids: torch.Ten
     if target is not None:
         draft.target_shared({})
         draft.share_target(target)
+        with torch.no_grad():  # the head reads the target's output rows: start at the target's final-norm scale
+            draft.norm.weight.copy_(target.model.norm.weight)
     draft.embed_tokens.weight.requires_grad_(False)
     draft.lm_head.weight.requires_grad_(cfg.train_head)
     return draft
