@@ -314,3 +314,18 @@ def test_sampling_keeps_the_masked_target_distribution(random_models):
                                             torch.tensor(chi2 / 2.0, dtype=torch.float64)))
     assert dof >= 4
     assert p_value > 1e-3, (chi2, dof, cells)
+
+
+def test_leaves_the_drafter_expects_to_reach_come_first():
+    #   0 ─ 1 ─ 3      node draft probs: 1: 0.2, 2: 0.8, 3: 0.5, 4: 0.9 -> reach 3: 0.1, 4: 0.72
+    #    └─ 2 ─ 4
+    g = grammar('root ::= [a-b] [a-b] "cdefghijk"')
+    tree = Tree((-1, 0, 0, 1, 2))
+    toks = [ID["x"], ID["a"], ID["b"], ID["a"], ID["b"]]
+    lp = [0.0, math.log(0.2), math.log(0.8), math.log(0.5), math.log(0.9)]
+    fs = ForcedSpans(spell, ForcedSpanConfig(max_tokens=4, max_nodes=6, min_reach=0.0))
+    ext = fs.extend(tree, toks, g, room=20, logprobs=lp)
+    assert [(s.leaf, letters(s.tokens)) for s in ext.spans] == [(3, "cd"), (4, "cdef")]  # 4 first: budget
+    ext = ForcedSpans(spell, ForcedSpanConfig(min_reach=0.2)).extend(tree, toks, g, room=20, logprobs=lp)
+    assert [s.leaf for s in ext.spans] == [4]  # leaf 3 (reach 0.1) is left alone
+    assert [s.leaf for s in fs.extend(tree, toks, g, room=20).spans] == [3, 4]  # node order without log-probs

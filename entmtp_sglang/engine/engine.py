@@ -196,9 +196,9 @@ class Engine:
             only = forced.forced_only_rows(chosen) if forced is not None else set()
             drafted = [Tree.chain(0) if i in only else t for i, t in enumerate(chosen)]
             restage = chooser.restage if getattr(chooser, "staged", False) else None
-            tokens, trees, staged = self._draft(drafting, state, drafted, legal, restage, active)
+            tokens, trees, staged, logprobs = self._draft(drafting, state, drafted, legal, restage, active)
             if forced is not None:  # the grammar's spans below the leaves: the trees as verified
-                tokens, trees = forced.extend(tokens, trees)
+                tokens, trees = forced.extend(tokens, trees, logprobs)
             accepted, features, logits = self._verify(tokens, trees, lens, cache, sampling, gen, grammars, active,
                                                       capture)
             feats, roots, commit = self._commit(accepted, features, lens, cache, state, active)
@@ -332,7 +332,8 @@ class Engine:
         """Fill every node of each request's tree with a drafted token; a staged decision or an EAGLE-2 style
         tree keeps fewer nodes, and grammar-masked drafts lose the branches the grammar forbids. Returns the
         (B, N) tokens (padded), the trees as they will be verified, and {request: (tree, nodes)} for the
-        requests a staged decision moved to a smaller tree.
+        requests a staged decision moved to a smaller tree, and each kept node's draft log-prob under its parent's
+        distribution (B, N).
 
         `restage(depth, drafted, drafting)`, a chooser's staged decision, is called after each drafted level
         beyond the first with `drafted[i][n]`, node n's draft probability (None where not drafted yet), and
@@ -360,7 +361,7 @@ class Engine:
         tokens, logprobs = drafting.expand(state, padded, legal, after_level)  # (B, N)
         prune = legal is not None and bool(torch.isinf(logprobs).any())
         if prune or staged or any(isinstance(t, DynamicTree) for t in trees):
-            new_tokens, new_trees = [], []
+            new_tokens, new_trees, new_logprobs = [], [], []
             for i, t in enumerate(trees):
                 full = t.wide if isinstance(t, DynamicTree) else t
                 base, image = staged.get(i, (full, list(range(full.num_nodes))))
@@ -372,11 +373,14 @@ class Engine:
                 else:
                     new_trees.append(subtree(base, nodes))
                 new_tokens.append(tokens[i, [image[k] for k in nodes]])
+                new_logprobs.append(logprobs[i, [image[k] for k in nodes]])
             trees = new_trees
             tokens = torch.zeros(pad_trees(new_trees).parents.shape, dtype=torch.int64)
-            for i, row in enumerate(new_tokens):
+            logprobs = torch.zeros(tokens.shape, dtype=logprobs.dtype)
+            for i, (row, lp) in enumerate(zip(new_tokens, new_logprobs)):
                 tokens[i, : len(row)] = row
-        return tokens, trees, staged
+                logprobs[i, : len(lp)] = lp
+        return tokens, trees, staged, logprobs
 
     def _target(self, ids, positions, mask, cache, start, capture):
         """The target's final-normed hidden states (B, T, d) and the drafter's features: those same states, or

@@ -22,6 +22,7 @@ and verifies the span alone (`forced_only`): it gets the tokens without paying f
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Callable
@@ -36,13 +37,15 @@ from ..tree import Tree
 class ForcedSpanConfig:
     """max_tokens: the longest span below one leaf; max_nodes: forced nodes per request and step;
     prior_acceptance / prior_weight: the acceptance assumed before any span is verified, and its weight in
-    tokens; forced_only: a request whose span after the root is worth its tree's depth drafts nothing."""
+    tokens; forced_only: a request whose span after the root is worth its tree's depth drafts nothing;
+    min_reach: no span below a leaf the drafter gives less than this probability of being reached."""
 
     max_tokens: int = 16
     max_nodes: int = 48
     prior_acceptance: float = 0.9
     prior_weight: float = 4.0
     forced_only: bool = True
+    min_reach: float = 0.02
 
     def __post_init__(self):
         if self.max_tokens < 1:
@@ -51,6 +54,8 @@ class ForcedSpanConfig:
             raise ValueError(f"max_nodes ({self.max_nodes}) must be >= max_tokens ({self.max_tokens})")
         if not 0.0 <= self.prior_acceptance <= 1.0:
             raise ValueError(f"prior_acceptance must lie in [0, 1], got {self.prior_acceptance}")
+        if not 0.0 <= self.min_reach < 1.0:
+            raise ValueError(f"min_reach must lie in [0, 1), got {self.min_reach}")
         if self.prior_weight <= 0:
             raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
 
@@ -200,15 +205,25 @@ class ForcedSpans:
         """The span right after the root (its grammar state is the request's now), at most `room` tokens."""
         return grammar.forced_span([], self.spell, min(self.config.max_tokens, room))
 
-    def extend(self, tree: Tree, tokens: list[int], grammar, room: int) -> Extended:
-        """Hang the forced span of each leaf (in node order) below it, at most max_tokens per span and
-        max_nodes per tree, and no deeper than `room` levels below the root (context and cache)."""
+    def extend(self, tree: Tree, tokens: list[int], grammar, room: int,
+               logprobs: list[float] | None = None) -> Extended:
+        """Hang the forced span of each leaf below it, at most max_tokens per span and max_nodes per tree, and no
+        deeper than `room` levels below the root (context and cache). With `logprobs` (each node's draft log-prob
+        under its parent's distribution), the leaves the drafter most expects to be reached come first and those
+        it gives less than `min_reach` are left alone; else node order."""
         budget = self.config.max_nodes
         spans: dict[int, list[int]] = {}
         depths = tree.depths
-        for leaf in range(tree.num_nodes):
-            if tree.children[leaf] or budget <= 0:
-                continue
+        leaves = [n for n in range(tree.num_nodes) if not tree.children[n]]
+        if logprobs is not None:
+            reach = [0.0] * tree.num_nodes  # log P(the path to node n is drafted right), by the drafter
+            for n in range(1, tree.num_nodes):
+                reach[n] = reach[tree.parents[n]] + logprobs[n]
+            floor = math.log(self.config.min_reach) if self.config.min_reach > 0 else -math.inf
+            leaves = sorted((n for n in leaves if reach[n] >= floor), key=lambda n: -reach[n])
+        for leaf in leaves:
+            if budget <= 0:
+                break
             cap = min(self.config.max_tokens, budget, room - depths[leaf])
             if cap <= 0:
                 continue
@@ -266,15 +281,17 @@ class ForcedStep:
                 self.only.add(i)
         return self.only
 
-    def extend(self, tokens, trees: list[Tree]):
-        """(B, N) drafted tokens and the trees as drafted -> the same with every leaf's span below it."""
+    def extend(self, tokens, trees: list[Tree], logprobs=None):
+        """(B, N) drafted tokens and the trees as drafted -> the same with every leaf's span below it.
+        `logprobs` (B, N): each drafted node's draft log-prob under its parent's distribution (leaf order)."""
         rows = self._rows()
         if not rows:
             return tokens, trees
         trees = list(trees)
         for i in rows:
-            ext = self.spans.extend(trees[i], tokens[i, : trees[i].num_nodes].tolist(), self.grammars[i],
-                                    self.room[i])
+            k = trees[i].num_nodes
+            ext = self.spans.extend(trees[i], tokens[i, :k].tolist(), self.grammars[i], self.room[i],
+                                    logprobs[i, :k].tolist() if logprobs is not None else None)
             if ext.spans:
                 self.exts[i], trees[i] = ext, ext.tree
         if all(e is None for e in self.exts):
