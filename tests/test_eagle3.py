@@ -152,3 +152,25 @@ def test_a_short_run_learns_resumes_and_exports(shards, tmp_path):
     shutil.copytree(run / "shipped", model_dir / "eagle3")
     loaded = load_drafter(model_dir, "eagle3", target=target)
     assert loaded.target_layers == (2, 3, 3)  # fixed_data's capture for 6 layers
+
+
+def test_prepare_installs_a_headless_eagle3_with_the_targets_head(tmp_path, monkeypatch):
+    """A shipped EAGLE-3 drafter without its head (trained frozen) is installed with the target's rows of its draft
+    vocabulary written in, so SGLang loads the directory as it is; a second prepare leaves it alone."""
+    from safetensors.torch import load_file
+
+    from entmtp_sglang.model import prepare as prep
+
+    shipped, model_dir = tmp_path / "shipped", tmp_path / "model"
+    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle"))
+    target = load_target(model_dir)
+    d = Eagle3Draft(LlamaShape(**{**vars(target.shape), "num_hidden_layers": 1}), torch.arange(7, 4096, 9), (2, 3, 3))
+    export(d, shipped / "eagle3", json.loads((model_dir / "config.json").read_text()), with_head=False)
+    monkeypatch.setattr(prep, "shipped_drafters", lambda spec: shipped)
+    said = []
+    prep._install_drafters(None, model_dir, said.append)
+    state = load_file(str(model_dir / "eagle3" / "model.safetensors"))
+    want = target.lm_head_weight[torch.arange(7, 4096, 9)].to(torch.bfloat16)
+    assert torch.equal(state["lm_head.weight"], want) and len(said) == 2
+    prep._install_drafters(None, model_dir, said.append)
+    assert len(said) == 2
