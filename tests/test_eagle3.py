@@ -37,24 +37,34 @@ def models():
     return target, draft
 
 
-def test_training_time_test_computes_what_drafting_computes(models):
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_training_time_test_computes_what_drafting_computes(models, kind):
     """Level k of training-time test at position L+k equals the drafter's k-th chain step after a prompt of L
     tokens (prefill, begin, then drafting along the true tokens)."""
     target, draft = models
     seq = torch.randint(0, 97, (1, 24))
-    _, aux = target(seq, capture=LAYERS)  # (1, 24, 3d): the residual streams entering layers 1, 2, 3
+    last, aux = target(seq, capture=LAYERS)  # (1, 24, 3d): the residual streams entering layers 1, 2, 3
+    if kind == "eagle":
+        from entmtp_sglang.model.drafters import EagleDraft
+
+        torch.manual_seed(2)
+        draft = EagleDraft(LlamaShape(**{**TINY, "num_hidden_layers": 1}), torch.arange(0, 97, 3))
+        init_weights(draft, std=0.1)  # no final norm: larger weights make logits in the thousands
+        draft.share_target(target)
+        draft.eval().requires_grad_(False)
+        aux = last  # EAGLE reads the target's final-normed feature
     steps = 4
     # training-time test over the window of entries p = 1 .. 23 (entry p: token x_p, features of p-1)
     outs = et.ttt_forward(draft, seq[:, 1:], torch.arange(1, 24).view(1, -1), aux[:, :-1],
                           torch.ones(1, 23, dtype=torch.bool), steps)
-    drafting = drafter_kind("eagle3").build_drafting(draft, target)
-    assert drafting.target_layers == LAYERS
+    drafting = drafter_kind(kind).build_drafting(draft, target)
+    assert drafting.target_layers == (LAYERS if kind == "eagle3" else None)
     for length in (3, 9, 17):
         drafting.prefill(seq[:, :length], torch.tensor([length]), aux[:, :length], 64)
         state = drafting.begin(aux[:, length - 1], seq[:, length])
         chain = drafting.path_logits(state, seq[:, length + 1: length + 1 + steps])
         for k in range(steps):
-            want = draft.logits(outs[k][0, length + k - 1])
+            want = drafting.logits(outs[k][0, length + k - 1])
             assert torch.allclose(chain[k][0], want, atol=1e-4, rtol=1e-4), (length, k)
             assert bool(torch.isinf(chain[k][0, 1]))  # token 1 is outside the draft vocabulary
 
@@ -152,6 +162,22 @@ def test_a_short_run_learns_resumes_and_exports(shards, tmp_path):
     shutil.copytree(run / "shipped", model_dir / "eagle3")
     loaded = load_drafter(model_dir, "eagle3", target=target)
     assert loaded.target_layers == (2, 3, 3)  # fixed_data's capture for 6 layers
+
+
+def test_the_eagle_drafter_trains_on_the_same_shards(shards, tmp_path):
+    from entmtp_sglang.model.drafters import EagleDraft
+
+    cfg = et.TrainConfig(steps=2, window=48, batch_tokens=384, lr=3e-3, draft_vocab=512, positions=2500, eval_windows=8,
+                         kind="eagle")
+    run = tmp_path / "run"
+    first = et.train(shards, BUNDLED_MODEL, run, cfg, echo=False, max_batches=1)
+    done = et.train(shards, BUNDLED_MODEL, run, cfg, echo=False)
+    assert done["held_out"]["loss"][0] < first["held_out"]["loss"][0] - 0.3
+    model_dir = tmp_path / "model"
+    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle"))
+    shutil.copytree(run / "shipped", model_dir / "eagle")
+    loaded = load_drafter(model_dir, "eagle", target=load_target(BUNDLED_MODEL))
+    assert isinstance(loaded, EagleDraft) and loaded.head.draft_ids.numel() == 512
 
 
 def test_prepare_installs_a_headless_eagle3_with_the_targets_head(tmp_path, monkeypatch):

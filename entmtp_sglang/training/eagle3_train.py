@@ -19,6 +19,10 @@ it). Everything lives in `$ENTMTP_CACHE/eagle3/<run>/`: `ckpt.pt` (resumable: mo
 clock, saved every `--save-every-s` seconds), `train.log` (progress and an ETA), and at the end `sglang/` (the
 checkpoint SGLang loads, head included, bf16), `shipped/` (bf16, the head left out when frozen) and `summary.json`
 (held-out agreement per level and per source). The last shard is held out (with one shard, its last sequences).
+
+`--kind eagle` trains the EAGLE drafter (model/drafters.py `EagleDraft`: fc([E(x_p), f_{p-1}]) with the target's
+last feature, no final norm) the same way on the same shards, into `$ENTMTP_CACHE/eagle/<run>/` in the layout the
+shipped EAGLE drafter has.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import argparse
 import json
 import math
 import random
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -34,6 +39,7 @@ from pathlib import Path
 
 import torch
 
+from ..model.drafters import EagleDraft
 from ..model.eagle3 import Eagle3Draft, checkpoint_state, export
 from ..model.llama import LlamaShape, init_weights
 from .fixed_data import SOURCES
@@ -57,8 +63,11 @@ class TrainConfig:
     seed: int = 0
     eval_windows: int = 64
     intermediate_size: int = 0  # 0: the target's
+    kind: str = "eagle3"  # or "eagle": the EAGLE drafter over the target's last feature, trained the same way
 
     def __post_init__(self):
+        if self.kind not in FEATURES:
+            raise ValueError(f"kind must be one of {', '.join(FEATURES)}, got {self.kind!r}")
         if self.steps < 1 or self.window < 8 or self.batch_tokens < self.window or self.draft_vocab < 2:
             raise ValueError("steps >= 1, window >= 8, batch_tokens >= window and draft_vocab >= 2")
 
@@ -119,12 +128,13 @@ def load_shard(path: Path) -> dict[str, torch.Tensor]:
     return load_file(str(path))
 
 
-def batch_of(shard: dict, ws: list[Window], t2d_index: torch.Tensor) -> dict[str, torch.Tensor]:
+def batch_of(shard: dict, ws: list[Window], t2d_index: torch.Tensor, features: str = "aux_hidden_states"
+             ) -> dict[str, torch.Tensor]:
     """Padded tensors for windows of one shard: tokens, positions, features (of p-1), valid, loss weight, and the
     target distribution over the draft vocabulary (as (index, prob) pairs of the top-k)."""
     b, t = len(ws), max(w.length for w in ws)
     k = shard["topk_ids"].shape[1]
-    d3 = shard["aux_hidden_states"].shape[1]
+    d3 = shard[features].shape[1]
     tokens = torch.zeros(b, t, dtype=torch.int64)
     pos = torch.zeros(b, t, dtype=torch.int64)
     feats = torch.zeros(b, t, d3, dtype=torch.float32)
@@ -136,7 +146,7 @@ def batch_of(shard: dict, ws: list[Window], t2d_index: torch.Tensor) -> dict[str
         s, n = w.start, w.length
         tokens[i, :n] = shard["input_ids"][s:s + n].long()
         pos[i, :n] = torch.arange(w.position, w.position + n)
-        feats[i, :n] = shard["aux_hidden_states"][s - 1:s - 1 + n].float()
+        feats[i, :n] = shard[features][s - 1:s - 1 + n].float()
         valid[i, :n] = True
         mask[i, :n] = shard["loss_mask"][s:s + n].bool()
         ids = t2d_index[shard["topk_ids"][s:s + n].long()]  # (n, k): draft index or -1
@@ -165,24 +175,56 @@ def _shift(x: torch.Tensor, by: int, dim: int = 2) -> torch.Tensor:
     return torch.cat((pad, x.narrow(dim, 0, x.shape[dim] - by)), dim=dim)
 
 
-def ttt_forward(draft: Eagle3Draft, tokens, positions, features, valid, steps: int) -> list[torch.Tensor]:
+class Parts:
+    """How one drafter kind's layer is computed, piece by piece, for training-time test."""
+
+    def __init__(self, draft):
+        self.draft = draft
+        self.eagle3 = isinstance(draft, Eagle3Draft)
+        self.layer = draft.midlayer if self.eagle3 else draft.layers[0]
+        self.attn = self.layer.self_attn
+
+    def first(self, features):
+        """Level 0's feature input: EAGLE-3 fuses the target's layers (fc); EAGLE reads the target's feature."""
+        return self.draft.fc(features) if self.eagle3 else features
+
+    def level_input(self, embeds, g):
+        """(what the attention reads, the residual it adds to)."""
+        if self.eagle3:
+            return self.layer.attention_input(embeds, g), g
+        x = self.draft.fc(torch.cat((embeds, g), dim=-1))  # EAGLE: fc([E(x_p), f]); the layer has no input norm
+        return x, x
+
+    def finish(self, base, a):
+        h = base + a
+        return h + self.layer.mlp(self.layer.post_attention_layernorm(h))
+
+    def draft_logits(self, out):
+        return self.draft.draft_logits(out) if self.eagle3 else self.draft.head.draft_logits(out)
+
+
+FEATURES = {"eagle3": "aux_hidden_states", "eagle": "hidden_states"}  # what each kind reads of a shard
+
+
+def ttt_forward(draft, tokens, positions, features, valid, steps: int) -> list[torch.Tensor]:
     """Training-time test: the drafter's outputs out^k (B, T, d) for levels k = 0 .. steps-1 (see the module
-    docstring for who attends to whom). Level k's entry i is meaningful where i >= k and valid."""
-    layer = draft.midlayer
-    attn = layer.self_attn
+    docstring for who attends to whom). Level k's entry i is meaningful where i >= k and valid. `draft`: an
+    `Eagle3Draft` (features: the target's fused layers) or an `EagleDraft` (the target's last feature)."""
+    parts = Parts(draft)
+    attn = parts.attn
     nh, nkv, hd = attn.n_heads, attn.n_kv, attn.head_dim
     rep = nh // nkv
     b, t = tokens.shape
     embeds = draft.embed_tokens(tokens)
     rot = draft.rotary
     keys, values, outs = [], [], []
-    g = draft.fc(features)
+    g = parts.first(features)
     idx = torch.arange(t)
     key_ok = valid.view(b, 1, 1, t)
     for k in range(steps):
         if k > 0:
             g = _shift(outs[-1], 1, dim=1)
-        x = layer.attention_input(embeds, g)
+        x, base = parts.level_input(embeds, g)
         q = rot(_heads(attn.q_proj(x), nh, hd), positions)
         kk = rot(_heads(attn.k_proj(x), nkv, hd), positions).repeat_interleave(rep, dim=1)
         vv = _heads(attn.v_proj(x), nkv, hd).repeat_interleave(rep, dim=1)
@@ -200,7 +242,7 @@ def ttt_forward(draft: Eagle3Draft, tokens, positions, features, valid, steps: i
         for m in range(1, k + 1):
             y = y + p[..., t + m - 1].unsqueeze(-1) * _shift(values[m], k - m)
         a = attn.o_proj(y.transpose(1, 2).reshape(b, t, nh * hd))
-        outs.append(layer.finish(g, a))
+        outs.append(parts.finish(base, a))
     return outs
 
 
@@ -214,6 +256,7 @@ def sparse_soft_ce(logits: torch.Tensor, idx: torch.Tensor, prob: torch.Tensor) 
 def level_losses(draft: Eagle3Draft, batch: dict, steps: int) -> tuple[torch.Tensor, list[dict]]:
     """The weighted training loss and, per level, (loss sum, agreement count, rows) for the log."""
     outs = ttt_forward(draft, batch["tokens"], batch["positions"], batch["features"], batch["valid"], steps)
+    parts = Parts(draft)
     t = batch["tokens"].shape[1]
     total, stats = 0.0, []
     for k, out in enumerate(outs):
@@ -221,7 +264,7 @@ def level_losses(draft: Eagle3Draft, batch: dict, steps: int) -> tuple[torch.Ten
         if not bool(rows.any()):
             stats.append({"loss": 0.0, "agree": 0, "rows": 0})
             continue
-        logits = draft.draft_logits(out[rows]).float()  # (R, Vd)
+        logits = parts.draft_logits(out[rows]).float()  # (R, Vd)
         idx, prob = batch["target_idx"][rows], batch["target_prob"][rows]  # (R, k): the target's top-k
         loss = sparse_soft_ce(logits, idx, prob)
         n = int(rows.sum())
@@ -252,10 +295,19 @@ def _hms(seconds: float) -> str:
 
 
 def new_drafter(target_cfg: dict, capture: tuple[int, ...], draft_ids: torch.Tensor, cfg: TrainConfig,
-                target=None) -> Eagle3Draft:
+                target=None) -> torch.nn.Module:
+    """A fresh drafter of `cfg.kind` sharing the target's embedding and (frozen unless `train_head`) output rows."""
     shape = LlamaShape.from_config_dict({**target_cfg, "num_hidden_layers": 1,
                                          "intermediate_size": cfg.intermediate_size or target_cfg["intermediate_size"]})
     torch.manual_seed(cfg.seed)
+    if cfg.kind == "eagle":
+        draft = EagleDraft(shape, draft_ids)
+        init_weights(draft, std=0.02)
+        torch.nn.init.ones_(draft.layers[0].post_attention_layernorm.weight)
+        if target is not None:
+            draft.share_target(target)
+        draft.embed_tokens.weight.requires_grad_(False)
+        return draft
     draft = Eagle3Draft(shape, draft_ids, capture)
     init_weights(draft, std=0.02)
     for n in (draft.midlayer.input_layernorm, draft.midlayer.hidden_norm, draft.midlayer.post_attention_layernorm,
@@ -286,14 +338,15 @@ def _batches(ws: list[Window], batch_tokens: int, rng: random.Random) -> list[li
     return out
 
 
-def evaluate(draft: Eagle3Draft, shards: dict[int, dict], ws: list[Window], t2d_index, steps: int) -> dict:
+def evaluate(draft, shards: dict[int, dict], ws: list[Window], t2d_index, steps: int,
+             features: str = "aux_hidden_states") -> dict:
     """Held-out agreement (draft argmax == target argmax within the draft vocabulary) per level and, at level 0,
     per source; plus the loss per level."""
     per_level = [{"loss": 0.0, "agree": 0, "rows": 0} for _ in range(steps)]
     per_source: dict[str, list[int]] = {}
     with torch.no_grad():
         for w in ws:
-            batch = batch_of(shards[w.shard], [w], t2d_index)
+            batch = batch_of(shards[w.shard], [w], t2d_index, features)
             _, stats = level_losses(draft, batch, steps)
             for acc, s in zip(per_level, stats):
                 for key in acc:
@@ -395,7 +448,7 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
                 break
             for g in opt.param_groups:
                 g["lr"] = lr_at(f)
-            batch = batch_of(shard, group, t2d_index)
+            batch = batch_of(shard, group, t2d_index, FEATURES[cfg.kind])
             loss, stats = level_losses(draft, batch, cfg.steps)
             opt.zero_grad(set_to_none=True)
             loss.backward()
@@ -431,7 +484,7 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
                 rng = random.Random(f"{cfg.seed}/order/{cursor['epoch']}")
                 rng.shuffle(order)
     save()
-    result = evaluate(draft.eval(), held_shards, held, t2d_index, cfg.steps)
+    result = evaluate(draft.eval(), held_shards, held, t2d_index, cfg.steps, FEATURES[cfg.kind])
     summary = {"data": str(data), "model": str(model_dir), "config": asdict(cfg), "positions": done_positions,
                "seconds": round(spent + time.time() - t_start, 1), "train_shards": len(train_files),
                "held_out_shards": [f.name for f in held_files], "held_out_windows": len(held),
@@ -440,14 +493,36 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
     from ..model.load import target_fingerprint
 
     target_info["fingerprint"] = target_fingerprint(target)
-    export(draft, run_dir / "sglang", target_cfg, with_head=True, extra_config={"target": target_info})
-    export(draft, run_dir / "shipped", target_cfg, with_head=cfg.train_head, extra_config={"target": target_info})
+    if cfg.kind == "eagle":
+        shipped_bytes = export_eagle(draft, run_dir / "shipped", target_cfg, target_info)
+        shutil.copytree(run_dir / "shipped", run_dir / "sglang", dirs_exist_ok=True)
+    else:
+        export(draft, run_dir / "sglang", target_cfg, with_head=True, extra_config={"target": target_info})
+        export(draft, run_dir / "shipped", target_cfg, with_head=cfg.train_head, extra_config={"target": target_info})
+        shipped_bytes = sum(v.numel() * v.element_size() for v in checkpoint_state(draft, cfg.train_head).values())
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     log(f"done: {done_positions} positions in {_hms(summary['seconds'])}; held-out agreement per level "
         f"{result['agreement']}, depth 1 by source {result['depth1_agreement_by_source']}; "
-        f"checkpoints in {run_dir / 'sglang'} (SGLang) and {run_dir / 'shipped'} (bf16, "
-        f"{sum(v.numel() * v.element_size() for v in checkpoint_state(draft, cfg.train_head).values())} bytes)")
+        f"checkpoints in {run_dir / 'sglang'} (SGLang) and {run_dir / 'shipped'} (bf16, {shipped_bytes} bytes)")
     return summary
+
+
+def export_eagle(draft: EagleDraft, out_dir: Path, target_cfg: dict, target_info: dict) -> int:
+    """An EAGLE drafter in the layout the shipped one has (SGLang's `LlamaForCausalLMEagle`, the embedding and the
+    head the target's, `draft_vocab.safetensors` the draft vocabulary); returns the weights' bytes."""
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = {k: v for k, v in target_cfg.items() if k not in ("_model_name_or_path", "transformers_version")}
+    cfg.update({"architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1, "tie_word_embeddings": False,
+                "draft_vocab_size": int(draft.head.draft_ids.numel()), "target": target_info})
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=1))
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in draft.state_dict().items()
+             if k != "embed_tokens.weight" and not k.startswith("rotary")}
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    vocab = {"draft_ids": draft.head.draft_ids.to(torch.int32).contiguous()}
+    save_file(vocab, str(out_dir / "draft_vocab.safetensors"))
+    return sum(v.numel() * v.element_size() for v in state.values())
 
 
 def _meta(path: Path) -> dict:
@@ -468,6 +543,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("lr", "warmup", "weight_decay", "clip", "minutes"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    p.add_argument("--kind", choices=tuple(FEATURES), default=d.kind,
+                   help="eagle3 (default) or eagle: the EAGLE drafter over the target's last feature")
     p.add_argument("--train-head", action="store_true", help="train the draft-vocabulary head (default: frozen)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--save-every-s", type=float, default=120.0)
@@ -479,7 +556,7 @@ def run(args) -> int:
 
     cfg = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__})
     model = args.model or Path(json.loads((args.data / "recipe.json").read_text())["model"])
-    run_dir = args.run_dir or cache_root() / "eagle3" / args.run
+    run_dir = args.run_dir or cache_root() / cfg.kind / args.run
     train(args.data, model, run_dir, cfg, args.threads, args.save_every_s, max_batches=args.max_batches)
     return 0
 
