@@ -35,18 +35,37 @@ ROOT = Path(__file__).resolve().parent.parent
 TREE_SET = {"smollm2": "smollm2-135m-instruct", "entmtp-tiny": "entmtp-tiny"}
 
 
-def schema_items(bundle, limit: int, compact: bool):
+def schema_items(bundle, limit: int, compact: bool, workload: str = "json"):
+    """(item with "id" and "ids" (the prompt), compiled grammar): the json task's held-out prompts under their
+    schemas, or the tool calls of bench/workloads/tool_calls.json under the call's schema (as sglang_speed.py
+    builds them)."""
     from entmtp_sglang.grammar import GrammarError
+    from entmtp_sglang.tasks import render_messages
 
-    out = []
     vocab = bundle.target.shape.vocab_size
+    compile_ = lambda schema: compile_grammar(GrammarSpec("json_schema", json.dumps(schema), compact=compact),  # noqa: E731
+                                              str(bundle.path), vocab)
+    out = []
+    if workload == "tool-call":
+        spec = json.loads((ROOT / "bench" / "workloads" / "tool_calls.json").read_text())
+        for k, req in enumerate(spec["requests"][:limit]):
+            tool = spec["tools"][req["tool"]]
+            schema = {"type": "object", "properties": {"name": {"type": "string", "enum": [req["tool"]]},
+                                                       "arguments": tool["parameters"]},
+                      "required": ["name", "arguments"], "additionalProperties": False}
+            system = (f"You can call one tool, {req['tool']}: {tool['description']} Parameters: "
+                      f"{json.dumps(tool['parameters'])}. Answer with the call as JSON: "
+                      '{"name": ..., "arguments": ...}.')
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": req["user"]}]
+            text = render_messages(bundle.chat_template, messages) if bundle.chat_template else system + req["user"]
+            out.append(({"id": f"tool-{k}", "ids": bundle.tokenizer.encode(text).ids}, compile_(schema)))
+        return out
     for item in load_prompts("json", "test"):
         try:
-            compiled = compile_grammar(GrammarSpec("json_schema", json.dumps(load_schema(item)), compact=compact),
-                                       str(bundle.path), vocab)
+            compiled = compile_(load_schema(item))
         except GrammarError:
             continue
-        out.append((item, compiled))
+        out.append(({"id": item["id"], "ids": bundle.prompt_ids(item)}, compiled))
         if len(out) >= limit:
             break
     return out
@@ -56,7 +75,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2", choices=sorted(TREE_SET))
     ap.add_argument("--drafter", default="eagle")
-    ap.add_argument("--schemas", type=int, default=4)
+    ap.add_argument("--workload", default="json", choices=["json", "tool-call"])
+    ap.add_argument("--schemas", type=int, default=4, help="prompts (each under its schema)")
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-span", type=int, default=16, help="forced tokens per span (ForcedSpanConfig.max_tokens)")
@@ -69,7 +89,7 @@ def main(argv=None) -> int:
     b = load_bundle(None if args.model == "entmtp-tiny" else Path(args.model), drafter=args.drafter)
     vocab = b.target.shape.vocab_size
     engine = Engine(b.target, args.drafter, b.drafter, b.eos_token_id)
-    items = schema_items(b, args.schemas, compact=not args.free_whitespace)
+    items = schema_items(b, args.schemas, compact=not args.free_whitespace, workload=args.workload)
     if args.tree:
         make_chooser = lambda: static_chooser(Tree.parse(args.tree))  # noqa: E731
     else:
@@ -84,15 +104,15 @@ def main(argv=None) -> int:
     forced_total = ForcedStats()
     plain_out: dict[str, list[int]] = {}
     item, compiled = items[0]  # warm-up (grammar compilation, kernels, caches), not timed
-    generate_plain(b.target, b.prompt_ids(item), 8, grammar=RequestGrammar(compiled, vocab))
+    generate_plain(b.target, item["ids"], 8, grammar=RequestGrammar(compiled, vocab))
     for spans in (None, ForcedSpans.for_tokenizer(b.tokenizer, config)):
-        engine.generate([b.prompt_ids(item)], 8, make_chooser(), grammars=[RequestGrammar(compiled, vocab)],
+        engine.generate([item["ids"]], 8, make_chooser(), grammars=[RequestGrammar(compiled, vocab)],
                         forced_spans=spans)
     for rep in range(args.repeats):
         spent = {m: 0.0 for m in modes}
         forced = ForcedSpans.for_tokenizer(b.tokenizer, config)  # a fresh calibration per repeat
         for item, compiled in items:
-            prompt = b.prompt_ids(item)
+            prompt = item["ids"]
             t0 = time.perf_counter()
             ref = generate_plain(b.target, prompt, args.max_new_tokens, eos_token_id=b.eos_token_id,
                                  grammar=RequestGrammar(compiled, vocab))
@@ -116,7 +136,7 @@ def main(argv=None) -> int:
             seconds[m].append(spent[m])
         print(f"repeat {rep}: " + ", ".join(f"{m} {tokens[m] / spent[m]:.1f} tok/s" for m in modes), flush=True)
     tps = {m: statistics.median(tokens[m] / s for s in seconds[m]) for m in modes}
-    common = {"model": args.model, "drafter": args.drafter, "chooser": args.tree or "entmtp",
+    common = {"model": args.model, "drafter": args.drafter, "workload": args.workload, "chooser": args.tree or "entmtp",
               "schemas": len(items), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "layout": "free whitespace" if args.free_whitespace else "compact", "max_span": args.max_span,
               "commit": commit}
@@ -135,9 +155,9 @@ def main(argv=None) -> int:
               for r in rows]
     table += ["", f"Forced spans: {f['share_of_output']:.0%} of the output, acceptance {f['acceptance']} per token, "
               f"mean span {f['mean_span']:.1f} tokens ({f['spans']} spans drafted, {f['spans_reached']} reached). "
-              f"{args.model} + {args.drafter}, {common['chooser']}, {len(items)} held-out schemas ({common['layout']} "
-              f"JSON), {args.max_new_tokens} new tokens, greedy, batch 1, median of {args.repeats} repeats; every "
-              f"output equal to plain decoding's. Commit {commit}."]
+              f"{args.model} + {args.drafter}, {common['chooser']}, {args.workload}: {len(items)} prompts under their "
+              f"schemas ({common['layout']} JSON), {args.max_new_tokens} new tokens, greedy, batch 1, median of "
+              f"{args.repeats} repeats; every output equal to plain decoding's. Commit {commit}."]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out.with_suffix(".jsonl"), "w") as fh:
         for r in rows:

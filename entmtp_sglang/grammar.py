@@ -138,7 +138,8 @@ class RequestGrammar:
 
             accept path
             while fewer than max_tokens and not terminated:
-                text = the grammar's jump-forward string (xgrammar: the text every legal continuation starts with)
+                text = the grammar's jump-forward string (xgrammar: the text every legal continuation starts with),
+                       less trailing whitespace (a tokenizer joins it to the next word: `": ` is spelled `":` ` 1`)
                 if text:  take spell(text) (the tokenizer's spelling) up to its first token the grammar refuses
                 elif exactly one token is legal (a stop token, a token only one spelling reaches): take it
                 else: stop
@@ -156,7 +157,7 @@ class RequestGrammar:
             accepted += 1
         out: list[int] = []
         while len(out) < max_tokens and not m.is_terminated():
-            text = m.find_jump_forward_string()
+            text = m.find_jump_forward_string().rstrip()
             took = 0
             if text:
                 for t in spell(text)[: max_tokens - len(out)]:

@@ -17,7 +17,7 @@ from entmtp_sglang.model.load import BUNDLED_MODEL
 from entmtp_sglang.tree import Tree, from_sglang
 
 # a raw vocabulary: the stop token, single letters a..y, and a few longer spellings
-VOCAB = ["</s>", *"abcdefghijklmnopqrstuvwxy", "gh", "ghi", "xy", "ab", "q\"", *"0123456789"]
+VOCAB = ["</s>", *"abcdefghijklmnopqrstuvwxy", "gh", "ghi", "xy", "ab", "q\"", *"0123456789", " ", " c", " 7"]
 VOCAB += [""] * (97 - len(VOCAB))  # empty strings: special tokens xgrammar never allows as text (97: the
 # random test model's vocabulary)
 STOP = 0
@@ -69,6 +69,13 @@ def test_a_spelling_the_grammar_refuses_is_cut_there():
     odd = lambda s: [ID["a"], ID['q"']] if s == "ab" else spell(s)  # noqa: E731
     assert letters(g.forced_span([], odd, 16)) == "ab"
     assert g.forced_span([], lambda s: [ID['q"']], 16) == []
+
+
+def test_trailing_whitespace_is_left_to_the_next_token():
+    g = grammar('root ::= "ab " [0-9] " c"')
+    assert [VOCAB[t] for t in g.forced_span([], spell, 16)] == ["ab"]  # not "ab", " ": the model writes " 7"
+    assert g.forced_span([ID["ab"]], spell, 16) == []  # " " alone: it goes with what follows
+    assert [VOCAB[t] for t in g.forced_span([ID["ab"], ID[" 7"]], spell, 16)] == [" c", "</s>"]
 
 
 def test_nothing_forced_where_every_state_has_a_choice():
