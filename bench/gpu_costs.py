@@ -39,6 +39,7 @@ from entmtp_sglang.calibrate.provenance import git_commit
 from entmtp_sglang.engine.batch_tree import pad_trees, tree_attention_mask
 from entmtp_sglang.kernels import flashinfer_available
 from entmtp_sglang.model.drafters import EagleDraft, HydraHead, MedusaHeads
+from entmtp_sglang.model.eagle3 import Eagle3Draft
 from entmtp_sglang.model.llama import LlamaForCausalLM, LlamaShape, set_attention_backend
 from entmtp_sglang.model.load import BUNDLED_MODEL
 from entmtp_sglang.tree import Tree
@@ -155,9 +156,9 @@ def measure_level(kind, drafter, head, batch, w, context, timer, gen, cache, d) 
         mask = mask.unsqueeze(1).to(dev)  # (B, 1, w, span)
         pos, slots = (slots + 1).to(dev), slots.to(dev)
 
-        def step():
+        def step():   # EAGLE: the target's output layer; EAGLE-3: its own, over the draft vocabulary
             out = drafter(tok, feats, pos, mask.clone(), cache, slots)
-            _top(F.linear(out, head))
+            _top(drafter.draft_logits(out) if kind == "eagle3" else F.linear(out, head))
 
     with torch.no_grad():
         return timer(step)
@@ -263,15 +264,19 @@ def main(argv: list[str] | None = None) -> int:
                 drafter = _build(MedusaHeads, dtype, device, shape.hidden_size, shape.vocab_size, 2)
             elif kind == "hydra":
                 drafter = _build(HydraHead, dtype, device, shape.hidden_size, shape.vocab_size, 2, shape.rms_norm_eps)
-            else:
+            else:   # EAGLE, EAGLE-3: one decoder layer with its KV cache (EAGLE-3's draft vocabulary up to 8k)
                 one = LlamaShape(**{**shape.__dict__, "num_hidden_layers": 1})
-                drafter = _build(EagleDraft, dtype, device, one)
-            attention = "flashinfer" if kind == "eagle" and "flashinfer" in attentions else (
-                "torch" if kind == "eagle" else "")
-            if kind == "eagle":
+                layers = shape.num_hidden_layers
+                drafter = (_build(EagleDraft, dtype, device, one) if kind == "eagle" else
+                           _build(Eagle3Draft, dtype, device, one, torch.arange(min(8192, shape.vocab_size)),
+                                  (0, layers // 2, layers - 1)))
+            autoregressive = kind in ("eagle", "eagle3")
+            attention = "flashinfer" if autoregressive and "flashinfer" in attentions else (
+                "torch" if autoregressive else "")
+            if autoregressive:
                 set_attention_backend(drafter, attention)
             for b in batches:
-                cache = _filled_cache(drafter, b, capacity) if kind == "eagle" else None
+                cache = _filled_cache(drafter, b, capacity) if autoregressive else None
                 for w in nodes:
                     if out_of_time():
                         stopped = True
