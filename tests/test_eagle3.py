@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from entmtp_sglang.drafting import drafter_kind
-from entmtp_sglang.model.eagle3 import Eagle3Draft, add_head_from_target, export
+from entmtp_sglang.model.eagle3 import Eagle3Draft, export
 from entmtp_sglang.model.llama import LlamaForCausalLM, LlamaShape, init_weights
 from entmtp_sglang.model.load import BUNDLED_MODEL, load_drafter, load_target
+from entmtp_sglang.model.prepare import add_head_from_target
 from entmtp_sglang.training import eagle3_train as et
 from entmtp_sglang.training import fixed_data as fd
 
@@ -108,7 +109,8 @@ def test_export_is_sglang_layout_and_loads_back(models, tmp_path):
     export(d, model_dir / "eagle3", cfg, with_head=False)
     headless = load_drafter(model_dir, "eagle3", target=tiny)
     assert torch.allclose(headless.logits(headless(tok, x, pos)), d.logits(d(tok, x, pos)), atol=1e-5)
-    assert add_head_from_target(model_dir / "eagle3", tiny) and not add_head_from_target(model_dir / "eagle3", tiny)
+    head = tiny.lm_head_weight
+    assert add_head_from_target(model_dir / "eagle3", head) and not add_head_from_target(model_dir / "eagle3", head)
     assert "lm_head.weight" in load_file(str(model_dir / "eagle3" / "model.safetensors"))
 
 

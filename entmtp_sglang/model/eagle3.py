@@ -203,21 +203,3 @@ def export(draft: Eagle3Draft, out_dir: Path, target_config: dict, with_head: bo
     save_file(checkpoint_state(draft, with_head), str(out_dir / "model.safetensors"))
     (out_dir / "config.json").write_text(json.dumps(sglang_config(draft, target_config, extra_config), indent=1))
     return out_dir
-
-
-def add_head_from_target(drafter_dir: Path, target) -> bool:
-    """Give a head-less EAGLE-3 checkpoint (`export(with_head=False)`, as shipped) the target's output rows of its
-    draft vocabulary, so SGLang can load it. Returns True if the file changed."""
-    from safetensors.torch import load_file, save_file
-
-    path = Path(drafter_dir) / "model.safetensors"
-    state = load_file(str(path))
-    if "lm_head.weight" in state:
-        return False
-    ids = state["d2t"].long() + torch.arange(len(state["d2t"]))
-    dtype = state["fc.weight"].dtype
-    state["lm_head.weight"] = target.lm_head_weight.detach()[ids].to(dtype).contiguous()
-    tmp = path.with_name(path.name + ".tmp")
-    save_file(state, str(tmp))
-    tmp.replace(path)
-    return True

@@ -160,16 +160,44 @@ def _install_drafters(spec: PypiModel, model_dir: Path, log) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(s, tmp)
         if json.loads((s / "config.json").read_text()).get("architectures") == [EAGLE3_ARCHITECTURE]:
-            from .eagle3 import add_head_from_target
-            from .load import load_target
-
-            target = target or load_target(model_dir)
+            target = target if target is not None else target_output_weight(model_dir)
             if add_head_from_target(tmp, target):
                 log(f"wrote the {kind} drafter's head (the target's rows of its draft vocabulary)")
         (tmp / ".shipped").write_text(digest)
         shutil.rmtree(d, ignore_errors=True)
         os.replace(tmp, d)
         log(f"installed the {kind} drafter from {s}")
+
+
+def target_output_weight(model_dir: Path):
+    """The target's output layer (V, d) read from its checkpoint: `lm_head.weight`, or the tied embedding."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(model_dir) / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        for name in ("lm_head.weight", "model.embed_tokens.weight"):
+            if name in names:
+                return f.get_tensor(name)
+    raise ValueError(f"{model_dir}/model.safetensors has neither lm_head.weight nor model.embed_tokens.weight")
+
+
+def add_head_from_target(drafter_dir: Path, head_weight) -> bool:
+    """Give a head-less EAGLE-3 checkpoint (`eagle3.export(with_head=False)`, as shipped) the target's output rows
+    of its draft vocabulary (`head_weight`: the target's (V, d) output layer), so SGLang can load it. Returns True
+    if the file changed. Here, not in model/eagle3.py, so that preparing imports no model code."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(drafter_dir) / "model.safetensors"
+    state = load_file(str(path))
+    if "lm_head.weight" in state:
+        return False
+    ids = state["d2t"].long() + torch.arange(len(state["d2t"]))
+    state["lm_head.weight"] = head_weight.detach()[ids].to(state["fc.weight"].dtype).contiguous()
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(state, str(tmp))
+    tmp.replace(path)
+    return True
 
 
 def is_prepared(model_dir: Path, spec: PypiModel) -> bool:
