@@ -80,6 +80,9 @@ def main(argv=None) -> int:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-span", type=int, default=16, help="forced tokens per span (ForcedSpanConfig.max_tokens)")
+    ap.add_argument("--max-nodes", type=int, default=48, help="forced nodes per tree and step (max_nodes)")
+    ap.add_argument("--min-reach", type=float, default=ForcedSpanConfig.min_reach,
+                    help="no span below a leaf the drafter gives less than this probability of being reached")
     ap.add_argument("--tree", default="", help="a static tree (e.g. chain:2) instead of the EntMTP policy")
     ap.add_argument("--free-whitespace", action="store_true", help="JSON with free whitespace (not compact)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "forced_spans")
@@ -96,7 +99,8 @@ def main(argv=None) -> int:
         ts = load_tree_set(ROOT / "trees" / f"{TREE_SET[args.model]}-{args.drafter}-json-grammar.json",
                            drafter=args.drafter)
         make_chooser = lambda: entmtp_policy(ts)  # noqa: E731
-    config = ForcedSpanConfig(max_tokens=args.max_span, max_nodes=max(48, args.max_span))
+    config = ForcedSpanConfig(max_tokens=args.max_span, max_nodes=max(args.max_nodes, args.max_span),
+                              min_reach=args.min_reach)
     modes = ("plain", "policy", "policy + forced spans")
     seconds = {m: [] for m in modes}
     tokens = {m: 0 for m in modes}
@@ -139,6 +143,7 @@ def main(argv=None) -> int:
     common = {"model": args.model, "drafter": args.drafter, "workload": args.workload, "chooser": args.tree or "entmtp",
               "schemas": len(items), "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
               "layout": "free whitespace" if args.free_whitespace else "compact", "max_span": args.max_span,
+              "max_nodes": config.max_nodes, "min_reach": config.min_reach,
               "commit": commit}
     rows = []
     for m in modes:
