@@ -75,6 +75,8 @@ def test_a_mixed_batch_drafts_a_tree_per_request_and_equals_plain(servers, batch
     print(f"{len(mixed)} of {len(steps)} steps drafted different trees per request, e.g. {mixed[0]['trees']}")
     for s in mixed:   # one step shape: the tree that set it is among the rows', every row its node count
         assert s["tree"] in s["trees"] and s["state"] is not None
+    # grammar-aware drafting followed each constrained row's own tree without falling back (it logs a traceback)
+    assert "Traceback" not in ent.log_text(), ent.log_tail()
     # meta_info: each request its own tree per step, in the trace's order for that request
     for job, out in zip(jobs, outs):
         rid = out["meta_info"]["id"]
