@@ -52,7 +52,12 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Hashable, Iterator, Mapping, Sequence
 
-from .controller import HYSTERESIS, UnknownTreeError
+HYSTERESIS = 0.02  # keep the current tree unless another is expected to be this much faster
+
+
+class UnknownTreeError(ValueError):
+    """A request pinned a tree the set does not hold; the message lists the set's trees."""
+
 
 if TYPE_CHECKING:
     from ..tree import Tree

@@ -35,14 +35,17 @@ from typing import Hashable, Sequence
 from ..tree.acceptance import AcceptancePredictor
 from ..tree.topology import embedding
 from ..tree.treeset import TreeSet
+from .budget import (  # budget allocates the trees; the controller keeps the state across steps
+    HYSTERESIS,
+    UnknownTreeError,
+    allocate_shared,
+    budget_config,
+    request_options,
+    shared_shape_cost,
+)
 from .selector import acceptance_scale, binned_expected, predicted_expected, select_by_expected
 
-HYSTERESIS = 0.02  # keep the current tree unless another is expected to be this much faster
 MAX_REST = 4  # the longest run of plain steps without the drafter after a back-off to chain:0
-
-
-class UnknownTreeError(ValueError):
-    """A request pinned a tree the set does not hold; the message lists the set's trees."""
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,6 @@ class TreeController:
         acceptance feedback, its pin (when the pins leave the batch a size to share; else none this step), its
         room, and hysteresis towards the tree it ran last. chain:0 for every request: the step decodes without
         speculation (and the group's rest is scheduled, as `choose` does). None when no tree fits the room."""
-        from .budget import allocate_shared, budget_config, request_options, shared_shape_cost
-
         if not requests:
             raise ValueError("choose_rows needs at least one request")
         trees = self.tree_set.trees
