@@ -327,3 +327,32 @@ def test_stock_sglang_serves_beside_plain_sglang_with_the_package(tmp_path):
     assert by["plain"].plain_repeat_tokens_per_s == by["plain-stock"].repeat_tokens_per_s
     assert by["plain"].equal_to_stock == 2 and by["plain-stock"].equal_to_plain is None   # stock ran first
     assert "vs stock" in b.to_markdown(rows)
+
+
+class _TreeServer(_Server):
+    """Answers like ENTMTP: each request's own trees (from its text) in meta_info.entmtp_trees."""
+
+    def post(self, path, payload):
+        trees = {"j": ["b3n3d2", "b3n3d2"], "c": ["rest", "b0n2d1"]}[payload["text"][0]]
+        return {"output_ids": [1, 2, 3], "meta_info": {"completion_tokens": 3, "entmtp_trees": trees}}
+
+
+class _TreeSpec(_Spec):
+    def server(self, log_dir, device_args, *model):
+        return _TreeServer(self.name) if self.speculative else _Server(self.name)
+
+
+def test_a_labelled_workload_keeps_each_labels_trees(tmp_path):
+    """A workload given as (payloads, batches, labels), as the mixed batch is: each row counts the trees of each
+    label's requests apart (`Row.trees_by_label`), an unlabelled workload none; labels must match the payloads."""
+    systems = [_TreeSpec("plain"), _TreeSpec("entmtp", "ENTMTP")]
+    work = {"mixed-batch": ([{"text": "j1"}, {"text": "c1"}, {"text": "j2"}], (2,), ["json", "chat", "json"]),
+            "code": ([{"text": "c2"}], (1,))}
+    rows = {(r.system, r.task): r for r in b.run_workloads(systems, work, repeats=1, log_dir=tmp_path,
+                                                           progress=lambda *a: None)}
+    ent = rows[("entmtp", "mixed-batch")]
+    assert ent.trees_by_label == {"json": {"b3n3d2": 4}, "chat": {"rest": 1, "b0n2d1": 1}}
+    assert ent.trees == {"b3n3d2": 4, "rest": 1, "b0n2d1": 1}
+    assert rows[("entmtp", "code")].trees_by_label == {} and rows[("plain", "mixed-batch")].trees_by_label == {}
+    with pytest.raises(ValueError, match="2 labels for 3 payloads"):
+        b.measure(_TreeServer("entmtp"), systems[1], work["mixed-batch"][0], 1, {}, labels=["json", "chat"])

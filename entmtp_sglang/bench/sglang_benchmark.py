@@ -358,7 +358,7 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
     if baseline is not None and baseline not in {s.name for s in systems}:
         raise ValueError(f"the baseline {baseline!r} is not one of the systems run")
     pool = ServerPool(log_dir, ("--dtype", dtype), progress, model=model, starts_at_once=starts_at_once)
-    keys = [(task, b) for task, (_, batches) in workloads.items() for b in batches]
+    keys = [(task, b) for task, w in workloads.items() for b in w[1]]
     runs: dict[tuple[str, str, int], list[Row]] = collections.defaultdict(list)
     partners: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
     reference: dict[tuple[str, int], list] = {}
