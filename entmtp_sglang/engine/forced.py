@@ -45,7 +45,7 @@ class ForcedSpanConfig:
     prior_acceptance: float = 0.9
     prior_weight: float = 4.0
     forced_only: bool = True
-    min_reach: float = 0.02
+    min_reach: float = 0.3
 
     def __post_init__(self):
         if self.max_tokens < 1:
