@@ -82,6 +82,12 @@ def _add_generate(sub) -> None:
     p.add_argument("--grammar-at-verify-only", action="store_true",
                    help="apply the grammar only when verifying (SGLang's behaviour); by default drafts "
                         "are masked too and illegal branches pruned")
+    p.add_argument("--forced-spans", action="store_true",
+                   help="under a grammar, draft the text the grammar decides (its jump-forward string as the "
+                        "tokenizer spells it) below the tree's leaves without running the drafter; verified like "
+                        "any draft, so the output is unchanged")
+    p.add_argument("--max-span", type=int, default=16, metavar="N",
+                   help="with --forced-spans: forced tokens per span at most (default: 16)")
 
 
 def _generate(args) -> int:
@@ -124,9 +130,19 @@ def _generate(args) -> int:
     observer = getattr(chooser, "observe", None)
     try:
         grammars = _grammars(args, bundle, len(prompts))
+        if args.forced_spans and grammars is None:
+            raise ValueError("--forced-spans needs a grammar (--json-schema, --json, --regex or --ebnf)")
+        forced = None
+        if args.forced_spans:
+            from .engine.forced import ForcedSpanConfig, ForcedSpans
+
+            config = ForcedSpanConfig(max_tokens=args.max_span, max_nodes=max(ForcedSpanConfig.max_nodes,
+                                                                              args.max_span))
+            forced = ForcedSpans.for_tokenizer(bundle.tokenizer, config)
         t0 = time.perf_counter()
         results = engine.generate(prompts, args.max_new_tokens, chooser, sampling, args.seed, observer=observer,
-                                  grammars=grammars, grammar_drafting=not args.grammar_at_verify_only)
+                                  grammars=grammars, grammar_drafting=not args.grammar_at_verify_only,
+                                  forced_spans=forced)
         seconds = time.perf_counter() - t0
     except (RequestError, TreeError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -144,6 +160,13 @@ def _generate(args) -> int:
           f"time={seconds:.2f}s tokens/s={tokens / seconds:.1f} mean_accepted={mean_acc:.2f} "
           f"tokens_per_target_pass={tokens / len(results) / passes:.2f} "
           f"steps_without_drafter={sum(s.rested for s in steps)}/{len(steps)}")
+    if forced is not None:
+        stats = [r.forced for r in results if r.forced is not None]
+        kept = sum(st.output_tokens for st in stats)
+        tried, accepted = sum(st.tried for st in stats), sum(st.accepted for st in stats)
+        print(f"[forced] spans={sum(st.spans for st in stats)} forced_tokens_in_output={kept} "
+              f"share_of_output={kept / max(1, tokens):.2f} "
+              f"acceptance={accepted / tried if tried else float('nan'):.2f}")
     return 0
 
 
