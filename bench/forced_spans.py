@@ -21,6 +21,7 @@ import subprocess
 import time
 from pathlib import Path
 
+from entmtp_sglang.bench.workload import tool_calls
 from entmtp_sglang.engine.engine import Engine, static_chooser
 from entmtp_sglang.engine.forced import ForcedSpanConfig, ForcedSpans, ForcedStats
 from entmtp_sglang.engine.plain import generate_plain
@@ -47,18 +48,11 @@ def schema_items(bundle, limit: int, compact: bool, workload: str = "json"):
                                               str(bundle.path), vocab)
     out = []
     if workload == "tool-call":
-        spec = json.loads((ROOT / "bench" / "workloads" / "tool_calls.json").read_text())
-        for k, req in enumerate(spec["requests"][:limit]):
-            tool = spec["tools"][req["tool"]]
-            schema = {"type": "object", "properties": {"name": {"type": "string", "enum": [req["tool"]]},
-                                                       "arguments": tool["parameters"]},
-                      "required": ["name", "arguments"], "additionalProperties": False}
-            system = (f"You can call one tool, {req['tool']}: {tool['description']} Parameters: "
-                      f"{json.dumps(tool['parameters'])}. Answer with the call as JSON: "
-                      '{"name": ..., "arguments": ...}.')
-            messages = [{"role": "system", "content": system}, {"role": "user", "content": req["user"]}]
-            text = render_messages(bundle.chat_template, messages) if bundle.chat_template else system + req["user"]
-            out.append(({"id": f"tool-{k}", "ids": bundle.tokenizer.encode(text).ids}, compile_(schema)))
+        for k, call in enumerate(tool_calls(ROOT / "bench" / "workloads" / "tool_calls.json", limit)):
+            messages = [{"role": "system", "content": call.system}, {"role": "user", "content": call.user}]
+            text = (render_messages(bundle.chat_template, messages) if bundle.chat_template
+                    else call.system + call.user)
+            out.append(({"id": f"tool-{k}", "ids": bundle.tokenizer.encode(text).ids}, compile_(call.schema)))
         return out
     for item in load_prompts("json", "test"):
         try:

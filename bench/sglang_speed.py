@@ -57,6 +57,7 @@ from entmtp_sglang.bench.sglang_benchmark import (
     versus,
     write,
 )
+from entmtp_sglang.bench.workload import tool_calls
 from entmtp_sglang.model.prepare import resolve_alias
 from entmtp_sglang.tasks import load_prompts, load_schema
 
@@ -107,17 +108,8 @@ def workloads(tokenizer, per_task: int, max_new: int) -> dict[str, list[dict]]:
         out[task] = [payload(chat(tokenizer, it["prompt"][-600:]), max_new) for it in items]
     out["json"] = [payload(chat(tokenizer, it["prompt"].removeprefix("User: ").split("\nAssistant:")[0]), max_new,
                            load_schema(it)) for it in load_prompts("json", "test", per_task)]
-    spec = json.loads(TOOLS.read_text())
-    out["tool-call"] = []
-    for req in spec["requests"][:per_task]:
-        tool = spec["tools"][req["tool"]]
-        schema = {"type": "object", "properties": {"name": {"type": "string", "enum": [req["tool"]]},
-                                                   "arguments": tool["parameters"]},
-                  "required": ["name", "arguments"], "additionalProperties": False}
-        system = (f"You can call one tool, {req['tool']}: {tool['description']} Parameters: "
-                  f"{json.dumps(tool['parameters'])}. Answer with the call as JSON: "
-                  '{"name": ..., "arguments": ...}.')
-        out["tool-call"].append(payload(chat(tokenizer, req["user"], system), max_new, schema))
+    out["tool-call"] = [payload(chat(tokenizer, call.user, call.system), max_new, call.schema)
+                        for call in tool_calls(TOOLS, per_task)]
     return out
 
 

@@ -6,6 +6,7 @@ and `slow`, against real SGLang servers. No timing asserts."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -614,3 +615,26 @@ def test_sglang_systems_in_the_harness_are_lossless_and_leave_no_server():
         with pytest.raises(ProcessLookupError):  # nothing of the server's process group is left
             os.killpg(pid, 0)
         assert f"--port {port}" not in out, name
+
+
+def test_tool_calls_build_each_call_schema_and_name_an_undefined_tool(tmp_path):
+    from entmtp_sglang.bench.workload import tool_calls
+
+    spec = {"tools": {"get_weather": {"description": "Weather for a city.",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}},
+            "requests": [{"tool": "get_weather", "user": "Rain in Oslo?"}, {"tool": "get_weather", "user": "Paris?"}]}
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(spec))
+    calls = tool_calls(path, limit=1)
+    assert [c.user for c in calls] == ["Rain in Oslo?"]
+    schema = calls[0].schema
+    assert schema["properties"]["name"] == {"type": "string", "enum": ["get_weather"]}
+    assert schema["properties"]["arguments"] == spec["tools"]["get_weather"]["parameters"]
+    assert schema["required"] == ["name", "arguments"] and "get_weather" in calls[0].system
+    assert len(tool_calls(path)) == 2
+    spec["requests"].append({"tool": "send_mail", "user": "Mail Bob."})
+    path.write_text(json.dumps(spec))
+    with pytest.raises(ValueError, match="send_mail"):
+        tool_calls(path)
+    shipped = tool_calls(Path(__file__).parents[1] / "bench" / "workloads" / "tool_calls.json")
+    assert shipped and all(c.schema["properties"]["name"]["enum"] == [c.tool] for c in shipped)

@@ -13,6 +13,7 @@ When a task has fewer test prompts than streams needed (prose has 20), prompts a
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,37 @@ class BenchContext:
         if key not in self.cache:
             self.cache[key] = make()
         return self.cache[key]
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool-call request: the system turn that offers the tool, the user's turn, and the schema of the call
+    (`{"name": <the tool>, "arguments": <its parameters>}`) that constrains the answer."""
+
+    tool: str
+    system: str
+    user: str
+    schema: dict
+
+
+def tool_calls(spec_path: Path, limit: int | None = None) -> list[ToolCall]:
+    """The requests of a tool-call spec (bench/workloads/tool_calls.json: `tools` by name with a description and
+    JSON-schema `parameters`, `requests` naming a tool and the user's turn), in order, at most `limit`."""
+    spec = json.loads(Path(spec_path).read_text())
+    out = []
+    for req in spec["requests"][:limit]:
+        name = req["tool"]
+        if name not in spec["tools"]:
+            raise ValueError(f"{spec_path}: a request names tool {name!r}, which `tools` does not define")
+        tool = spec["tools"][name]
+        schema = {"type": "object", "properties": {"name": {"type": "string", "enum": [name]},
+                                                   "arguments": tool["parameters"]},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+        system = (f"You can call one tool, {name}: {tool['description']} Parameters: "
+                  f"{json.dumps(tool['parameters'])}. Answer with the call as JSON: "
+                  '{"name": ..., "arguments": ...}.')
+        out.append(ToolCall(name, system, req["user"], schema))
+    return out
 
 
 def prompt_set_digests() -> dict[str, str]:
