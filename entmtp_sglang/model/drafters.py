@@ -187,6 +187,12 @@ class EagleDraft(nn.Module):
     def max_depth(self) -> int:
         return 64  # autoregressive: limited only by the tree
 
+    def target_shared(self, state: dict) -> tuple[str, ...]:
+        """The weights a checkpoint without them takes from the target (`share_target`): the embedding, which
+        SGLang replaces with the target's anyway (`set_embed_and_head`), so no checkpoint needs to store it."""
+        self.shares_embedding = self.shares_embedding or "embed_tokens.weight" not in state
+        return ("embed_tokens.weight",) if self.shares_embedding else ()
+
     def share_target(self, target) -> None:
         if self.shares_embedding:  # checkpoints without embed_tokens, as SGLang shares the target's too
             self.embed_tokens.weight.data = target.model.embed_tokens.weight.detach().to(

@@ -266,8 +266,10 @@ def save_model(out: Path, target, medusa, hydra, eagle) -> None:
     cfg = {**TARGET_CONFIG, "architectures": ["LlamaForCausalLMEagle"], "num_hidden_layers": 1,
            "tie_word_embeddings": False}
     (d / "config.json").write_text(json.dumps(cfg, indent=1))
-    # SGLang's LlamaForCausalLMEagle checkpoints carry names without the "model." prefix
-    save_file(to_bf16_state(eagle), str(d / "model.safetensors"), metadata={"format": "pt"})
+    # SGLang's LlamaForCausalLMEagle checkpoints carry names without the "model." prefix; no embedding: it is the
+    # target's (frozen in training), which SGLang and the loader (`EagleDraft.target_shared`) share
+    save_file(to_bf16_state(eagle, drop=("embed_tokens", "rotary")), str(d / "model.safetensors"),
+              metadata={"format": "pt"})
 
 
 if __name__ == "__main__":
