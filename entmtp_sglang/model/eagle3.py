@@ -34,8 +34,10 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
 def default_target_layers(num_hidden_layers: int) -> tuple[int, int, int]:
-    """The target layers whose input EAGLE-3 fuses: SGLang's default capture for Llama, [2, L//2, L-3]."""
-    return (2, num_hidden_layers // 2, num_hidden_layers - 3)
+    """The target layers whose input EAGLE-3 fuses: SGLang's default capture for Llama, [2, L//2, L-3], or
+    [1, L//2, L-1] where those are not distinct (`training.fixed_data.eagle3_layers`, the same rule)."""
+    low, mid, high = 2, num_hidden_layers // 2, num_hidden_layers - 3
+    return (low, mid, high) if low < mid < high else (1, mid, num_hidden_layers - 1)
 
 
 def target_layers_of(cfg: dict, target_num_layers: int) -> tuple[int, ...]:

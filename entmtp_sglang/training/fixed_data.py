@@ -129,8 +129,15 @@ class Recipe:
 
 
 def eagle3_layers(num_hidden_layers: int) -> tuple[int, int, int]:
-    """The decoder layers whose *input* (residual stream) EAGLE-3 fuses: SGLang's default capture for Llama."""
-    return (2, num_hidden_layers // 2, num_hidden_layers - 3)
+    """The decoder layers whose *input* (residual stream) EAGLE-3 fuses: SGLang's default capture for Llama,
+    [2, L//2, L-3]; where those are not three distinct layers (L < 8: the bundled model's 6 give [2, 3, 3], and
+    SGLang captures a repeated layer once), [1, L//2, L-1]. The draft's config names them either way."""
+    low, mid, high = 2, num_hidden_layers // 2, num_hidden_layers - 3
+    if not low < mid < high:
+        low, high = 1, num_hidden_layers - 1
+    if not 0 < low < mid < high < num_hidden_layers:
+        raise ValueError(f"EAGLE-3 fuses three distinct target layers; a target of {num_hidden_layers} has too few")
+    return (low, mid, high)
 
 
 # --- documents ---------------------------------------------------------------------------------------------
