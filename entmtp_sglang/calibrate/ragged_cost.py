@@ -221,3 +221,20 @@ class OnlineRaggedCost:
         if self.prior is not None or sum(1 for p in self.times if p[1] > 0) >= MIN_POINTS:
             self.cost = fit_ragged_cost(self.observed(), self.prior)
         return self.cost
+
+
+def tree_set_cost(tree_set, batch_size: int) -> tuple[RaggedStepCost, int]:
+    """The ragged cost line of a tree set's per-tree step costs, at the measured batch size m nearest
+    `batch_size`: each speculating tree a step of m * nodes tokens at its depth, chain:0 the plain step; returns
+    (cost, m). A set's costs were timed on padded `m x N` verifies, so the line prices a ragged step by its
+    tokens; with fewer than MIN_POINTS speculating points, a line through the origin at the dearest per token."""
+    entries = tree_set.trees
+    m = min({b for e in entries for b in e.cost_seconds},
+            key=lambda b: abs(math.log(b) - math.log(max(1, batch_size))))
+    steps = [RaggedStep(m * e.tree.num_nodes, e.tree.max_depth, m, e.cost(m)) for e in entries
+             if e.tree.max_depth > 0]
+    steps += [RaggedStep(m, 0, m, e.cost(m)) for e in entries if e.tree.max_depth == 0]
+    prior = None
+    if len({s.point for s in steps if s.max_depth > 0}) < MIN_POINTS:
+        prior = RaggedStepCost(0.0, max(s.seconds / s.total_tokens for s in steps), 0.0)
+    return fit_ragged_cost(steps, prior), m

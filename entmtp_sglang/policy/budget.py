@@ -457,3 +457,74 @@ def request_options(controller: TreeController, requests: Sequence[RequestInput]
         out.append(RequestOptions(options_of(trees, controller.expected(r), controller.scale(r.key)),
                                   pin=index.get(r.pin), room=r.room, previous=previous.get(r.key)))
     return out
+
+
+# -- ragged node counts inside a shared shape (resting rows in speculating steps) ----------------------------------
+def allocate_ragged(requests: Sequence[RequestOptions], shapes: Mapping[Hashable, tuple[int, frozenset]],
+                    cost: StepCost, config: BudgetConfig = BudgetConfig()) -> tuple[Hashable, Allocation]:
+    """One option per request when each row verifies its own node count (a resting row its root alone) inside one
+    of the engine's step shapes: `shapes[key] = (D, trees)`, the draft levels D the shape runs and the tree ids a
+    row may take in it (those that fit it, padded). A speculating step costs `cost(total tokens, D, batch)`
+    whatever its rows' own depths (the shape drafts D levels); every row resting costs `cost(batch, 0, batch)`:
+
+        for key in shapes (in order):
+            per request: its options among the shape's trees (its pin, if the shape holds it; a shape missing a
+                         pin is skipped unless no shape holds every pin, then pins are dropped)
+            alloc = allocate(those options, (total, d, b) -> cost(total, D if d > 0 else 0, b))
+        best = the highest tokens per second (a tie: the first key)
+
+    Exact (equals `allocate_ragged_exhaustive`) under `allocate`'s condition, which a `RaggedStepCost` meets: per
+    shape the cost is affine in total tokens and the same at every speculating depth."""
+    if not requests or not shapes:
+        raise ValueError("allocate_ragged needs at least one request and one shape")
+
+    def holds_pins(ids) -> bool:
+        return all(r.pin is None or r.pin in ids for r in requests)
+
+    keep_pins = any(holds_pins(ids) for _, ids in shapes.values())
+    best_key, best = None, None
+    for key, (depth, ids) in shapes.items():
+        if keep_pins and not holds_pins(ids):
+            continue
+        reqs = [_within(r, ids, keep_pins) for r in requests]
+        if any(r is None for r in reqs):
+            continue
+        a = allocate(reqs, _at_depth(cost, depth), config)
+        if best is None or a.tokens_per_second > best.tokens_per_second:
+            best_key, best = key, a
+    if best is None:
+        raise ValueError("no shape holds a resting option for every request")
+    return best_key, best
+
+
+def _at_depth(cost: StepCost, depth: int) -> StepCost:
+    return lambda total, d, batch: cost(total, depth if d > 0 else 0, batch)
+
+
+def _within(req: RequestOptions, ids, keep_pin: bool) -> RequestOptions | None:
+    """`req` with only the options among `ids` (None when its resting option is not among them)."""
+    options = tuple(o for o in req.options if o.tree in ids)
+    if not any(o.resting for o in options):
+        return None
+    return RequestOptions(options, pin=req.pin if keep_pin else None, room=req.room,
+                          previous=req.previous if req.previous in ids else None)
+
+
+def allocate_ragged_exhaustive(requests: Sequence[RequestOptions], shapes: Mapping[Hashable, tuple[int, frozenset]],
+                               cost: StepCost, config: BudgetConfig = BudgetConfig()) -> tuple[Hashable, Allocation]:
+    """The reference for `allocate_ragged`: every shape, every assignment of its options (no hysteresis)."""
+    def holds_pins(ids) -> bool:
+        return all(r.pin is None or r.pin in ids for r in requests)
+
+    keep_pins = any(holds_pins(ids) for _, ids in shapes.values())
+    best_key, best = None, None
+    for key, (depth, ids) in shapes.items():
+        if keep_pins and not holds_pins(ids):
+            continue
+        reqs = [_within(r, ids, keep_pins) for r in requests]
+        if any(r is None for r in reqs):
+            continue
+        a = allocate_exhaustive(reqs, _at_depth(cost, depth), config)
+        if best is None or a.tokens_per_second > best.tokens_per_second + _EPS * best.tokens_per_second:
+            best_key, best = key, a
+    return best_key, best

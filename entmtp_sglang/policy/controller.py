@@ -38,6 +38,7 @@ from ..tree.treeset import TreeSet
 from .budget import (  # budget allocates the trees; the controller keeps the state across steps
     HYSTERESIS,
     UnknownTreeError,
+    allocate_ragged,
     allocate_shared,
     budget_config,
     request_options,
@@ -183,6 +184,36 @@ class TreeController:
             st.pending = self.expected(r)[i] if trees[i].tree.max_depth > 0 else None
         self._schedule_rest(group, alloc.all_rest)
         return ids
+
+    def choose_ragged(self, requests: Sequence[RequestInput], shapes, rows: int | None = None,
+                      group: Hashable = "batch") -> tuple[Hashable, tuple[int, ...]] | None:
+        """Each request its own tree and its own node count inside one of the engine's step shapes (`shapes`:
+        key -> (draft levels D, the tree ids a row may take in it)), a resting row (chain:0) beside speculating
+        ones: `budget.allocate_ragged` under the set's step costs as a line in the tokens actually verified
+        (`ragged_cost.tree_set_cost`). Returns (shape key, per-request tree ids); every id chain:0 means the step
+        decodes without speculation (and the group's rest is scheduled). None when no tree fits the room."""
+        from ..calibrate.ragged_cost import tree_set_cost
+
+        if not requests:
+            raise ValueError("choose_ragged needs at least one request")
+        trees = self.tree_set.trees
+        self.pinned(requests)   # UnknownTreeError for a pin the set lacks
+        options = request_options(self, requests, {r.key: self.current[r.key] for r in requests
+                                                   if r.key in self.current})
+        batch = rows or len(requests)
+        cached = self.__dict__.get("_ragged_cost")
+        if cached is None or cached[0] is not self.tree_set or cached[1] != batch:   # refit sets replace the set
+            cached = self.__dict__["_ragged_cost"] = (self.tree_set, batch, *tree_set_cost(self.tree_set, batch))
+        line, measured = cached[2], cached[3]
+        key, alloc = allocate_ragged(options, shapes, lambda total, depth, b: line(total * measured / b, depth,
+                                                                                    measured), budget_config(self))
+        ids = tuple(int(i) for i in alloc.trees)
+        for r, i in zip(requests, ids):
+            self.current[r.key] = i
+            st = self.requests.setdefault(r.key, _Feedback())
+            st.pending = self.expected(r)[i] if trees[i].tree.max_depth > 0 else None
+        self._schedule_rest(group, alloc.all_rest)
+        return key, ids
 
     def _schedule_rest(self, group: Hashable, backed_off: bool) -> None:
         """After the group's choice: a back-off to chain:0 rests the drafter 1, 2, 4, ... (at most `max_rest`)

@@ -12,6 +12,8 @@ KV pool by explicit slot indices, builds a boolean visibility mask, and runs one
 * TARGET_VERIFY: `draft_token_num` queries per request over the prefix and the draft tokens; the
   draft-to-draft part of the mask is SGLang's tree mask (`spec_info.custom_mask`, QLEN_ONLY layout on
   CPU: request b's block is `custom_mask[b*n*n:(b+1)*n*n].view(n, n)`), the prefix is always visible.
+  A ragged verify (its spec_info carries `entmtp_ragged`, a `ragged.RaggedVerify`) runs only each row's
+  real nodes, packed: the same visibility for those queries (`ragged.ragged_verify_plan`).
 * Draft decode (`MultiStepDraftBackend`, one child per draft step): `topk` rows per request. By default
   a row sees the prefix and its own column of draft slots, as SGLang's EAGLE draft kernels do; a
   worker that drafts a fixed tree (ENTMTP) attaches per-row ancestor slots instead (`set_draft_rows`),
@@ -25,9 +27,11 @@ from __future__ import annotations
 import torch
 
 from .gather import _Plan, _ragged_rows, attend, decode_plan, extend_plan, rows_plan, verify_plan
+from .ragged import ragged_verify_plan
 from .sglang_api import AttentionBackend, KVWriteLoc
 
 NAME = "entmtp_torch"
+RAGGED_ATTR = "entmtp_ragged"   # on a verify's spec_info, a `ragged.RaggedVerify`: the forward's tokens are packed
 
 
 class TorchTreeAttnBackend(AttentionBackend):
@@ -40,19 +44,27 @@ class TorchTreeAttnBackend(AttentionBackend):
         self.token_to_kv_pool = model_runner.token_to_kv_pool
         self.plan: _Plan | None = None
         self.draft_plan: _Plan | None = None    # set by the multi-step container for draft decode
+        self.ragged = None                       # the ragged verify `plan` was made for (None: not ragged)
 
     # -- metadata -----------------------------------------------------------------------------------
     def init_forward_metadata(self, forward_batch) -> None:
         mode = forward_batch.forward_mode
         r2t = self.req_to_token_pool.req_to_token
+        self.ragged = None
         if mode.is_idle():
             self.plan = None
         elif mode.is_target_verify():
             spec = forward_batch.spec_info
             if spec is None:
                 raise RuntimeError("entmtp_torch: TARGET_VERIFY batch without spec_info")
-            self.plan = verify_plan(r2t, forward_batch.req_pool_indices, forward_batch.seq_lens,
-                                    int(spec.draft_token_num), getattr(spec, "custom_mask", None))
+            ragged = self.ragged = getattr(spec, RAGGED_ATTR, None)
+            if ragged is not None:   # only the rows' real tokens, packed (ragged.py)
+                self.plan = ragged_verify_plan(r2t, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                               int(spec.draft_token_num), getattr(spec, "custom_mask", None),
+                                               ragged.real, ragged.counts)
+            else:
+                self.plan = verify_plan(r2t, forward_batch.req_pool_indices, forward_batch.seq_lens,
+                                        int(spec.draft_token_num), getattr(spec, "custom_mask", None))
         elif mode.is_decode():
             self.plan = decode_plan(r2t, forward_batch.req_pool_indices, forward_batch.seq_lens)
         else:
@@ -85,6 +97,10 @@ class TorchTreeAttnBackend(AttentionBackend):
         return out
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        verify = forward_batch.forward_mode.is_target_verify()
+        ragged = getattr(forward_batch.spec_info, RAGGED_ATTR, None) if verify else None
+        if ragged is not None and ragged is not self.ragged:   # planned before the worker packed the verify
+            self.init_forward_metadata(forward_batch)
         return self._run(q, k, v, layer, forward_batch, save_kv_cache, self.plan)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):

@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 
 from ..tree import Tree
+from .ragged import pad_tree, verify_links
 from .tree_plan import TreePlan, plan_tree
 
 
@@ -165,6 +166,11 @@ class ShapeIndex:
     trees: tuple[int, ...]   # tree ids (the caller's: indices into a tree set), in stack order
     plans: tuple[TreePlan, ...]
     stack: RowIndex
+    # ragged shapes (`for_trees(..., ragged=True)`): each tree's own node count (the rest of its plan is padding,
+    # ragged.pad_tree) and, stacked on device, its verify links over its real nodes (ragged.verify_links):
+    # (real, next_token, next_sibling), each (R, N)
+    real_nodes: tuple[int, ...] = ()
+    links: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
     def build(cls, trees: list[int], plans: list[TreePlan], device: torch.device | str = "cpu") -> ShapeIndex:
@@ -202,19 +208,32 @@ class ShapeIndex:
         return cls(tuple(trees), tuple(plans), stack)
 
     @classmethod
-    def for_trees(cls, trees: Sequence[Tree], topk: int, device: torch.device | str = "cpu"
+    def for_trees(cls, trees: Sequence[Tree], topk: int, device: torch.device | str = "cpu", ragged: bool = False
                   ) -> dict[tuple[int, int], ShapeIndex]:
         """(levels D, nodes N) -> the stack of every tree of `trees` with N nodes and depth 1..D, laid out on D
         draft steps, tree ids their indices in `trees`: one per speculating shape of the set (each tree's own
-        (depth, nodes)), the shapes a step runs in when its rows draft different trees of one node count."""
+        (depth, nodes)), the shapes a step runs in when its rows draft different trees of one node count.
+        `ragged`: also every tree with fewer nodes (down to chain:0, the resting row) that pads into the shape
+        (`ragged.pad_tree`), with its real node count and verify links."""
         out: dict[tuple[int, int], ShapeIndex] = {}
         for tree in trees:
             shape = (tree.max_depth, tree.num_nodes)
             if tree.max_depth == 0 or shape in out:
                 continue
-            ids = [i for i, t in enumerate(trees)
-                   if t.num_nodes == tree.num_nodes and 1 <= t.max_depth <= tree.max_depth]
-            out[shape] = cls.build(ids, [plan_tree(trees[i], topk, tree.max_depth) for i in ids], device)
+            d, n = shape
+            if not ragged:
+                ids = [i for i, t in enumerate(trees) if t.num_nodes == n and 1 <= t.max_depth <= d]
+                out[shape] = cls.build(ids, [plan_tree(trees[i], topk, d) for i in ids], device)
+                continue
+            padded = {i: pad_tree(t, n, d, topk) for i, t in enumerate(trees) if t.num_nodes <= n and t.max_depth <= d}
+            ids = [i for i, p in padded.items() if p is not None]
+            plans = [plan_tree(padded[i], topk, d) for i in ids]
+            built = cls.build(ids, plans, device)
+            links = [verify_links(p, trees[i].num_nodes) for i, p in zip(ids, plans)]
+            out[shape] = cls(built.trees, built.plans, built.stack, tuple(trees[i].num_nodes for i in ids),
+                             (torch.tensor([x.real for x in links], dtype=torch.bool, device=device),
+                              torch.tensor([x.next_token for x in links], dtype=torch.long, device=device),
+                              torch.tensor([x.next_sibling for x in links], dtype=torch.long, device=device)))
         return out
 
     def position(self, tree: int) -> int:
