@@ -21,6 +21,14 @@ Per step:
    EAGLE uses, one `parent_list`/`selected` per row, so verification, acceptance, KV compaction and grammar
    walking are SGLang's own code.
 
+With ragged verify (ragged.py; on unless `ENTMTP_RAGGED=0`, with the `entmtp_torch` target backend, logged at
+start-up) rows of one step verify their own node counts, down to a resting row (chain:0: its root alone) inside a
+speculating step: `TreeController.choose_ragged` (`budget.allocate_ragged`) prices a step by the tokens it verifies,
+each row's tree is padded into the step's shape, the padding unlinked from SGLang's verify lists (`verify`), and the
+target's verify forward runs the real tokens only (`_ragged_forward`). A resting row's drafter runs SGLang's draft
+extend with the rest, so it needs no catch-up; a penalised request rests as such a row (SGLang applies penalties to
+each row's root as plain decoding does, one token per step); a step where every row rests keeps the resting path.
+
 Decisions depend only on logits and accepted counts, which are identical on every tensor-parallel rank,
 and on the batch size, so every rank picks the same trees (online calibration, below, refits step costs from
 timed steps only in a single-rank server: wall times differ between ranks).
@@ -42,8 +50,10 @@ from ..policy.controller import RequestInput, TreeController
 from ..policy.signals import draft_signal, least_predictable, top_probs
 from ..tree.acceptance import AcceptancePredictor
 from . import grammar_draft, observe, visibility
-from .attention import MultiStepDraftBackend
+from .attention import NAME as ATTENTION_NAME
+from .attention import RAGGED_ATTR, MultiStepDraftBackend, TorchTreeAttnBackend
 from .config import ENV_PROFILE, ENV_TREE_TRACE, EntMtpConfig, pin_of
+from .ragged import RaggedVerify, packed_index, scatter_rows
 from .recording import StepObserver
 from .sglang_api import (
     EAGLEWorkerV2,
@@ -67,6 +77,7 @@ class _Rest(Exception):
     """This step decodes without speculation and without the drafter, by rule (not an error)."""
 
 
+ENV_RAGGED = "ENTMTP_RAGGED"   # "0": every row of a speculating step verifies the step's N nodes (no resting rows)
 MAX_PENDING = 16   # rested positions a request may owe the drafter before a catch-up runs regardless (at least the
                    # longest rest plus one: penalised batches rest to their end)
 COST_REFIT_EVERY = 32   # decode steps between refits of the step costs timed in this server
@@ -78,7 +89,8 @@ def needs_plain_decoding(reqs) -> bool:
     SGLang applies frequency, presence and repetition penalties and min_new_tokens "relaxed" under
     speculation: one penalty row for every node of a tree, and one counted token per step, so a penalised
     greedy request's output differs from the non-speculative server's. Decoded one token per step from its
-    first decode step it is exact; SGLang verifies one tree per batch, so the whole batch decodes plainly."""
+    first decode step it is exact: with ragged verify as a resting row of a speculating step, else (SGLang verifies
+    one node count per batch) the whole batch decodes plainly."""
     for r in reqs:
         if penalised(r):
             return True
@@ -111,8 +123,17 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.indices = [TreeIndex.build(p, target_worker.model_runner.device) for p in self.plans]
         # each request its own tree (ENTMTP_PER_ROW_TREES, default on): per shape of the set (D levels, N nodes),
         # every tree of N nodes and depth <= D laid out on D draft steps and stacked, gathered by tree id per row
-        self.shape_index = (ShapeIndex.for_trees([t.tree for t in self.tree_set.trees], self.topk,
-                                                 target_worker.model_runner.device) if self.config.per_row else {})
+        trees = [t.tree for t in self.tree_set.trees]
+        self._rest_tree = next((i for i, t in enumerate(trees) if t.num_nodes == 1), None)
+        self.ragged = self._ragged_verify(server_args, target_worker)
+        self.shape_index = (ShapeIndex.for_trees(trees, self.topk, target_worker.model_runner.device,
+                                                 ragged=self.ragged) if self.config.per_row else {})
+        # ragged: the shapes a step may run in, smallest first: (levels D, nodes N) -> (D, the trees a row may take)
+        self._shapes = {key: (key[0], frozenset(self.shape_index[key].trees))
+                        for key in sorted(self.shape_index, key=lambda k: (k[1], k[0]))} if self.ragged else {}
+        self._shape_tree = {(t.max_depth, t.num_nodes): i for i, t in reversed(list(enumerate(trees)))}
+        self._ragged_step: RaggedVerify | None = None   # this step's ragged verify (None: every row N nodes)
+        self._row_real: list[int] = []                  # this step's real node count of each row
         self._rows: RowIndex | None = None         # this step's per-row draft indices (None: one tree)
         self._row_plans: list[TreePlan] = []       # this step's tree of each row, laid out on the step's levels
         self.signal = self.tree_set.signal         # draft_entropy or draft_margin (config checks)
@@ -173,6 +194,26 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.shape_states: ShapeStates[SpecRuntimeState] | None = None   # built in init_cuda_graphs
         self._state: SpecRuntimeState | None = None
 
+    def _ragged_verify(self, server_args, target_worker) -> bool:
+        """Whether rows of a speculating step verify their own node counts (resting rows among them): on unless
+        ENTMTP_RAGGED=0, with per-request trees, a tree set holding chain:0 and the `entmtp_torch` target backend
+        (the one with a ragged verify plan); logged at start-up either way."""
+        # (the target's backend objects are built later; init_cuda_graphs checks each runtime state's)
+        backend = (getattr(server_args, "decode_attention_backend", None)
+                   or getattr(server_args, "attention_backend", None))
+        reason = ("ENTMTP_RAGGED=0" if os.environ.get(ENV_RAGGED, "1").strip() == "0"
+                  else "ENTMTP_PER_ROW_TREES=0" if not self.config.per_row
+                  else "the tree set has no chain:0" if self._rest_tree is None
+                  else f"the target attention backend is {backend}, not {ATTENTION_NAME}"
+                  if backend != ATTENTION_NAME else None)
+        if reason is None:
+            logger.info("ENTMTP: ragged verify on: each request verifies its own node count, down to a resting "
+                        "row (its root alone) inside a speculating step; the target runs only the real tokens")
+            return True
+        logger.info("ENTMTP: ragged verify off (%s): every row of a speculating step verifies the step's node "
+                    "count", reason)
+        return False
+
     # -- one runtime state per tree shape (shapes.py) ------------------------------------------------
     def init_cuda_graphs(self):
         """SGLang builds the start-up state (backends, and graphs where its flags capture them); then one state per
@@ -194,6 +235,12 @@ class EntMtpWorker(EAGLEWorkerV2):
                 self.plans, lambda s: self.build_adaptive_runtime_state(s.num_steps, s.num_draft_tokens),
                 built={Shape(start.speculative_num_steps, start.speculative_num_draft_tokens): start})
         self._state = start
+        if self.ragged and not all(isinstance(s.target_attn_backend, TorchTreeAttnBackend)
+                                   for s in self.shape_states.states.values()):
+            logger.info("ENTMTP: ragged verify off: a runtime state's target backend is not entmtp_torch")
+            self.ragged, self._shapes = False, {}
+            self.shape_index = ShapeIndex.for_trees([t.tree for t in self.tree_set.trees], self.topk,
+                                                    runner.device) if self.config.per_row else {}
         logger.info("ENTMTP: %d runtime states for the %d trees of the set (%s)", len(self.shape_states),
                     len(self.plans), ", ".join(f"{s.num_steps} levels x {s.num_draft_tokens} tokens"
                                                for s in sorted(self.shape_states.states)))
@@ -252,8 +299,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             seconds = time.perf_counter() - start
             if self.observer is not None:
                 self._observe(batch, seconds)
-            if self.costs is not None and self._chosen is not None:
-                self._time_step(len(batch.reqs), seconds)
+            if self.costs is not None and self._chosen is not None and self._ragged_step is None:
+                self._time_step(len(batch.reqs), seconds)   # (a ragged step is not its shape tree's full step)
         self._record_signals(batch)
         if prof is not None:
             prof.end_step(tree="rest" if self._resting else self._plan.tree.name if self._plan is not None
@@ -283,10 +330,13 @@ class EntMtpWorker(EAGLEWorkerV2):
 
     def _choose(self, batch) -> None:
         reqs = batch.reqs
-        plan, index, h, ids = None, None, float("nan"), None
+        plan, index, h, ids, key = None, None, float("nan"), None, None
         self._resting = False
+        ragged = self.ragged and self.observer is None
         try:
-            plain = needs_plain_decoding(reqs)   # penalties: one token per step keeps them exact
+            # penalties: one token per step keeps them exact; ragged, such a request rests as a row of the step
+            forced = [needs_plain_decoding([r]) for r in reqs]
+            plain = all(forced) if ragged else any(forced)
             owed = max((len(self._pending.get(r.rid, ())) for r in reqs), default=0)
             if owed and owed < self._max_pending and (plain or self.controller.rests(["batch"])):
                 raise _Rest
@@ -297,11 +347,15 @@ class EntMtpWorker(EAGLEWorkerV2):
             self._grammar_signals(batch, reqs)
             unknown = least_predictable(self.signal)
             probe = self.observer.probe_tree(self.steps) if self.observer is not None else None
+            rest_name = self.plans[self._rest_tree].tree.name if self._rest_tree is not None else None
             inputs = [RequestInput(r.rid, self.signals.get(r.rid, unknown), self.probs.get(r.rid, ()), self._room(r),
-                                   self._pin(r) or probe) for r in reqs]
+                                   rest_name if rest else self._pin(r) or probe) for r, rest in zip(reqs, forced)]
             known = [x.signal for x in inputs if x.signal != unknown]
             h = sum(known) / len(known) if known else unknown
-            if self.shape_index and self.observer is None:   # each request its own tree at a shared shape
+            if ragged:   # each request its own tree and node count, inside one shape
+                key, ids = self.controller.choose_ragged(inputs, self._shapes, len(reqs))
+                idx = None if all(i == self._rest_tree for i in ids) else self._shape_tree[key]
+            elif self.shape_index and self.observer is None:   # each request its own tree at a shared shape
                 ids = self.controller.choose_rows(inputs, len(reqs))
                 idx = None if ids is None else max(ids, key=lambda i: self.plans[i].num_steps)  # sets the shape
             else:   # one tree for the batch (and while recording: the observer records one tree per step)
@@ -320,14 +374,20 @@ class EntMtpWorker(EAGLEWorkerV2):
         self._chosen = self._index_by_name.get(plan.tree.name if plan is not None else "chain:0")
         name = plan.tree.name if plan is not None else ("rest" if self._resting else "plain")
         n, steps = (plan.num_nodes, plan.num_steps) if plan is not None else (1, 0)
-        self._rows, self._row_plans = None, []
+        self._rows, self._row_plans, self._ragged_step, self._row_real = None, [], None, []
         names = [name] * len(reqs)
         if ids is not None and plan is not None and steps > 0:
             shape = self.shape_index[(steps, n)]
             positions = [shape.position(i) for i in ids]
-            self._rows = shape.gather(torch.tensor(positions, dtype=torch.long, device=batch.seq_lens.device))
+            at = torch.tensor(positions, dtype=torch.long, device=batch.seq_lens.device)
+            self._rows = shape.gather(at)
             self._row_plans = [shape.plans[k] for k in positions]
             names = [self.plans[i].tree.name for i in ids]
+            if shape.links is not None:
+                self._row_real = [shape.real_nodes[k] for k in positions]
+                if min(self._row_real) < n:   # some row verifies fewer than N: the target runs the real tokens only
+                    real, first, sibling = (t.index_select(0, at) for t in shape.links)
+                    self._ragged_step = RaggedVerify(real, tuple(self._row_real), packed_index(real), first, sibling)
         self.histogram.update(names)   # per request: each row's tree (rest, plain: the whole batch's)
         self.steps += 1
         self._step_reqs = list(reqs)
@@ -344,7 +404,7 @@ class EntMtpWorker(EAGLEWorkerV2):
             self.speculative_num_steps = dw.speculative_num_steps = steps
             get_context().override("entmtp.tree", speculative_num_draft_tokens=n, speculative_num_steps=steps)
             self._state = None
-        self._trace(reqs, name, names)
+        self._trace(reqs, name, names, self._row_real)
         if plan is not None and steps > 1:
             backend = dw.draft_attn_backend
             if not isinstance(backend, MultiStepDraftBackend):
@@ -384,6 +444,14 @@ class EntMtpWorker(EAGLEWorkerV2):
         """SGLang's verify; on a resting step as a one-node chain (topk 1): the accepted path is the root, already
         where SGLang's tree compaction would move it, so the KV, token and hidden-state compaction is skipped."""
         if not self._resting:
+            rs = self._ragged_step
+            if rs is not None:   # padding nodes unlinked: SGLang's acceptance and grammar walks never visit them
+                spec = batch.spec_info
+                if tuple(spec.retrieve_next_token.shape) != tuple(rs.real.shape):
+                    raise RuntimeError(f"ENTMTP: ragged verify for rows of {tuple(rs.real.shape)} nodes, SGLang's "
+                                       f"verify has {tuple(spec.retrieve_next_token.shape)}")
+                spec.retrieve_next_token = rs.next_token.to(spec.retrieve_next_token.dtype)
+                spec.retrieve_next_sibling = rs.next_sibling.to(spec.retrieve_next_sibling.dtype)
             return super().verify(batch, *args, **kwargs)
         topk, self.topk = self.topk, 1
         try:
@@ -396,6 +464,8 @@ class EntMtpWorker(EAGLEWorkerV2):
         decode attention and output path, not the tree-verify ones), then the batch reads as a verify again
         for SGLang's acceptance code. Every other forward is SGLang's own."""
         spec = forward_batch.spec_info
+        if self._ragged_step is not None and not self._resting and forward_batch.forward_mode.is_target_verify():
+            return self._ragged_forward(forward_batch, *args, **kwargs)
         if not (self._resting and forward_batch.forward_mode.is_target_verify()
                 and int(getattr(spec, "draft_token_num", 0) or 0) == 1):
             return self._target_forward(forward_batch, *args, **kwargs)
@@ -413,6 +483,31 @@ class EntMtpWorker(EAGLEWorkerV2):
         finally:
             (forward_batch.forward_mode, forward_batch.seq_lens, forward_batch.seq_lens_cpu,
              forward_batch.seq_lens_sum) = saved
+
+    def _ragged_forward(self, forward_batch, *args, **kwargs):
+        """The target's verify forward over the rows' real tokens only (ragged.py): input ids, positions and cache
+        locations packed, `entmtp_torch` planning the packed queries, then logits and hidden states scattered
+        back to SGLang's `bs x N` layout (padding rows 0, never accepted: unlinked in `verify`)."""
+        rs = self._ragged_step
+        total = rs.real.numel()
+        if forward_batch.input_ids.shape[0] != total:
+            raise RuntimeError(f"ENTMTP: ragged verify of {total} slots, the verify batch has "
+                               f"{forward_batch.input_ids.shape[0]} tokens")
+        saved = (forward_batch.input_ids, forward_batch.positions, forward_batch.out_cache_loc)
+        idx = rs.index
+        forward_batch.input_ids, forward_batch.positions, forward_batch.out_cache_loc = (t[idx] for t in saved)
+        spec = forward_batch.spec_info   # (SGLang may copy the forward batch; its spec_info travels by reference)
+        setattr(spec, RAGGED_ATTR, rs)
+        try:
+            out = self._target_forward(forward_batch, *args, **kwargs)
+        finally:
+            forward_batch.input_ids, forward_batch.positions, forward_batch.out_cache_loc = saved
+            setattr(spec, RAGGED_ATTR, None)
+        lo = out.logits_output
+        lo.next_token_logits = scatter_rows(lo.next_token_logits, idx, total)
+        if lo.hidden_states is not None:
+            lo.hidden_states = scatter_rows(lo.hidden_states, idx, total)
+        return out
 
     def _catch_up(self, batch) -> None:
         """One draft-extend pass over every position the batch's requests rested through: writes their draft
@@ -475,16 +570,19 @@ class EntMtpWorker(EAGLEWorkerV2):
                 if sig is not None:
                     self.signals[rid], self.probs[rid] = sig, probs
 
-    def _trace(self, reqs, name: str, names: list[str]) -> None:
+    def _trace(self, reqs, name: str, names: list[str], nodes: list[int]) -> None:
         """ENTMTP_TREE_TRACE=DIR: one JSON line per decode step in this rank's file, so ranks can be compared; with
-        the runtime state the step runs in ([draft levels, tokens verified]; null when resting), the tree that set
-        it (`tree`) and each request's own tree (`trees`, in `rids` order)."""
+        the runtime state the step runs in ([draft levels, tokens per row of SGLang's layout]; null when resting),
+        the tree that set it (`tree`), each request's own tree (`trees`, in `rids` order) and, with ragged
+        verify, the tokens each row verifies (`nodes`; a resting row 1)."""
         if self._trace_path is not None:
             state = self._state
             shape = None if state is None else [state.speculative_num_steps, state.speculative_num_draft_tokens]
+            line = {"step": self.steps, "tree": name, "state": shape, "rids": [r.rid for r in reqs], "trees": names}
+            if nodes:
+                line["nodes"] = nodes
             with open(self._trace_path, "a") as f:
-                f.write(json.dumps({"step": self.steps, "tree": name, "state": shape,
-                                    "rids": [r.rid for r in reqs], "trees": names}) + "\n")
+                f.write(json.dumps(line) + "\n")
 
     def _pin(self, req) -> str | None:
         """The tree this request pins, if the set holds it (an unknown name is logged once and ignored)."""
@@ -649,7 +747,10 @@ class EntMtpWorker(EAGLEWorkerV2):
             plan = plans[row]
             parents = plan.tree.parents
             col = plan.columns[level] if level < len(plan.columns) else ()
+            real = self._row_real[row] if self._row_real else plan.num_nodes
             for c, n in enumerate(col):
+                if n >= real:   # padding (ragged.pad_tree): never verified
+                    continue
                 path, a = [], n
                 while a != 0:
                     path.append(host[row][a])
