@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import logging
 import sys
 
 from ..policy.controller import TreeController
 from .config import EntMtpConfig
+from .eagle3 import EAGLE3, draft_kind
 from .sglang_api import CustomSpecAlgo, SpeculativeAlgorithm
 from .token_map import default_token_map
 from .tree_plan import plan_tree, required_topk
@@ -26,20 +26,7 @@ _AS_EAGLE = ("is_some", "is_speculative", "is_eagle", "supports_prefill_shared_r
 def draft_is_eagle3(draft_model_path: str | None) -> bool:
     """Whether the draft checkpoint is an EAGLE-3 one (an architecture named *Eagle3*, e.g.
     `LlamaForCausalLMEagle3`): it drafts from several captured target layers, over its own vocabulary."""
-    return any("Eagle3" in arch for arch in _draft_architectures(draft_model_path))
-
-
-@functools.lru_cache(maxsize=8)
-def _draft_architectures(draft_model_path: str | None) -> tuple[str, ...]:
-    if not draft_model_path:
-        return ()
-    from .sglang_api import get_config
-
-    try:
-        return tuple(getattr(get_config(draft_model_path, trust_remote_code=False), "architectures", None) or ())
-    except Exception:   # unreadable here: SGLang's own loading reports it
-        logger.debug("ENTMTP: cannot read the draft config at %s", draft_model_path, exc_info=True)
-        return ()
+    return draft_kind(draft_model_path) == EAGLE3
 
 
 def _served_draft_model_path() -> str | None:
@@ -218,9 +205,14 @@ class EntMtpSpecAlgo(CustomSpecAlgo):
         default_token_map(server_args)
         if server_args.max_running_requests is None:
             server_args.max_running_requests = 48
-        logger.info("ENTMTP: tree set %s (%d trees, up to %d nodes, depth %d, topk %d)",
+        logger.info("ENTMTP: %s draft, tree set %s (%d trees, up to %d nodes, depth %d, topk %d)", cfg.drafter,
                     cfg.tree_set_path or "generic (no set for this model: calibrating online)", len(ts.trees),
                     ts.max_nodes, steps, topk)
+        if ts.drafter != cfg.drafter:
+            logger.warning("ENTMTP: serving the %s draft with a tree set calibrated for the %s drafter (%s): the "
+                           "same tree shapes, but its acceptance predictor and bins describe the other drafter; "
+                           "calibrate one for this draft (`entmtp calibrate --engine sglang`)", cfg.drafter,
+                           ts.drafter, cfg.tree_set_path)
 
     def is_eagle3(self) -> bool:
         """As EAGLE3 when the draft checkpoint is an EAGLE-3 one (SGLang then captures the target's auxiliary

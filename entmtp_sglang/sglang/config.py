@@ -2,10 +2,12 @@
 
 The tree set comes from, in order: the `ENTMTP_TREE_SET` environment variable, SGLang's
 `--speculative-adaptive-config FILE` when FILE is an EntMTP tree set (JSON with
-`"format": "entmtp-tree-set"`), or the shipped EAGLE set for the served model's directory name: the one
-calibrated through SGLang where there is one (`entmtp_sglang/trees/<name>-eagle-mixed-sglang.json`:
-smollm2-135m-instruct; its trees and step costs are SGLang's), else the reference engine's
-(`<name>-eagle-mixed.json`: entmtp-tiny). With none of these,
+`"format": "entmtp-tree-set"`), or the shipped set for the served model's directory name and the draft's kind
+(`eagle3` for an EAGLE-3 checkpoint, else `eagle`: sglang/eagle3.py): the one calibrated through SGLang where there
+is one (`entmtp_sglang/trees/<name>-<kind>-mixed-sglang.json`: smollm2-135m-instruct's EAGLE; its trees and step
+costs are SGLang's), else the reference engine's (`<name>-<kind>-mixed.json`: entmtp-tiny). An EAGLE-3 draft with
+no set of its own is served with the model's EAGLE set (the same tree shapes; its acceptance was calibrated on the
+EAGLE drafter, and the log says so). With none of these,
 ENTMTP starts uncalibrated: a generic set (`tree/generic.py`, sized by `--speculative-num-steps` and
 `--speculative-eagle-topk` when given) whose acceptance predictor and step costs are refitted online from
 verified steps (`calibrate/online.py`). A set calibrated for another model is refused (the message says
@@ -32,6 +34,7 @@ from pathlib import Path
 from ..policy.registry import SERVER_POLICIES
 from ..tree.generic import generic_tree_set
 from ..tree.treeset import FORMAT, TreeSet, TreeSetError, load_tree_set, shipped_tree_set
+from .eagle3 import EAGLE, draft_kind
 
 ENV_TREE_SET = "ENTMTP_TREE_SET"
 ENV_GRAMMAR_DRAFT = "ENTMTP_GRAMMAR_DRAFT"   # "0" turns grammar-aware drafting and entropy off
@@ -59,7 +62,7 @@ def pin_of(custom_params) -> str | None:
 # back-offs pays that pass once per 17 steps instead of once per 5
 SGLANG_MAX_REST = 16
 MAX_REST_LIMIT = 64   # a rest owes the drafter one position per step, caught up in one pass when it ends
-DEFAULT_DRAFTER = "eagle"
+DEFAULT_DRAFTER = EAGLE   # the kind of a draft that is not EAGLE-3, and whose sets an EAGLE-3 draft falls back to
 SGLANG_SIGNALS = ("draft_entropy", "draft_margin")  # signals the worker computes from the draft logits
 DEFAULT_TASK = "mixed"
 
@@ -79,7 +82,8 @@ def _int(name: str, default: int) -> int:
         raise ValueError(f"{name} must be an integer, got {raw!r}") from None
 
 
-def resolve_tree_set_path(adaptive_config: str | None, model_name: str = "entmtp-tiny") -> Path | None:
+def resolve_tree_set_path(adaptive_config: str | None, model_name: str = "entmtp-tiny",
+                          drafter: str = DEFAULT_DRAFTER) -> Path | None:
     """The tree-set file to serve; None when there is none for this model (start with the generic set)."""
     env = os.environ.get(ENV_TREE_SET)
     if env:
@@ -94,17 +98,25 @@ def resolve_tree_set_path(adaptive_config: str | None, model_name: str = "entmtp
             raise TreeSetError(f"--speculative-adaptive-config {p}: not valid JSON ({e})") from None
         if isinstance(data, dict) and data.get("format") == FORMAT:
             return p   # a JSON file that is not a tree set is SGLang's own adaptive config: the shipped set
-    for engine in ("sglang", "reference"):   # a set calibrated through SGLang prices SGLang's own steps
-        shipped = shipped_tree_set(DEFAULT_DRAFTER, DEFAULT_TASK, model_name, engine=engine)
-        if shipped.exists():
-            return shipped
+    for kind in dict.fromkeys((drafter, DEFAULT_DRAFTER)):   # the draft's own kind first
+        for engine in ("sglang", "reference"):   # a set calibrated through SGLang prices SGLang's own steps
+            shipped = shipped_tree_set(kind, DEFAULT_TASK, model_name, engine=engine)
+            if shipped.exists():
+                return shipped
     return None
+
+
+def servable_drafters(drafter: str) -> tuple[str, ...]:
+    """The drafter kinds whose tree sets may serve a draft of kind `drafter`: its own, and for EAGLE-3 also
+    EAGLE's (both draft one tree level per pass with one decoder layer; only the calibration differs)."""
+    return tuple(dict.fromkeys((drafter, DEFAULT_DRAFTER)))
 
 
 @dataclass(frozen=True)
 class EntMtpConfig:
     tree_set_path: Path | None      # None: no set for this model, start with the generic set
     model_name: str                 # the served model's directory name; the tree set must match it
+    drafter: str = DEFAULT_DRAFTER  # the draft checkpoint's kind (sglang/eagle3.py): eagle or eagle3
     hysteresis: float = 0.02        # as the reference engine's EntMTP policy
     max_nodes: int | None = None
     log_interval_s: float = 30.0
@@ -137,11 +149,13 @@ class EntMtpConfig:
     @classmethod
     def from_server_args(cls, server_args) -> "EntMtpConfig":
         model = Path(str(server_args.model_path).rstrip("/")).name
-        path = resolve_tree_set_path(getattr(server_args, "speculative_adaptive_config", None), model)
+        drafter = draft_kind(getattr(server_args, "speculative_draft_model_path", None))
+        path = resolve_tree_set_path(getattr(server_args, "speculative_adaptive_config", None), model, drafter)
         record = os.environ.get(ENV_RECORD, "").strip()
         steps, topk = getattr(server_args, "speculative_num_steps", None), getattr(server_args,
                                                                                    "speculative_eagle_topk", None)
-        return cls(tree_set_path=path, model_name=model, grammar_drafting=_flag(ENV_GRAMMAR_DRAFT, "1"),
+        return cls(tree_set_path=path, model_name=model, drafter=drafter,
+                   grammar_drafting=_flag(ENV_GRAMMAR_DRAFT, "1"),
                    policy=os.environ.get(ENV_POLICY, "entmtp").strip().lower() or "entmtp",
                    force=_flag(ENV_FORCE), record_path=Path(record) if record else None, online=_flag(ENV_ONLINE),
                    online_costs=_flag(ENV_ONLINE_COSTS, "1"),
@@ -155,10 +169,12 @@ class EntMtpConfig:
     def load_tree_set(self) -> TreeSet:
         """Load and validate; the error names the file and the problem (wrong model, bad node, ...)."""
         if self.tree_set_path is None:
-            return generic_tree_set(self.model_name, self.generic_depth, self.generic_topk, DEFAULT_DRAFTER)
+            return generic_tree_set(self.model_name, self.generic_depth, self.generic_topk, self.drafter)
         try:
-            ts = load_tree_set(self.tree_set_path, model=None if self.force else self.model_name,
-                               drafter=DEFAULT_DRAFTER)
+            ts = load_tree_set(self.tree_set_path, model=None if self.force else self.model_name)
+            if ts.drafter not in servable_drafters(self.drafter):
+                raise TreeSetError(f"{self.tree_set_path} was calibrated for the {ts.drafter} drafter, not "
+                                   f"{self.drafter} (the draft model's kind)")
             if self.policy == "entmtp-predictor" and ts.predictor is None:
                 raise TreeSetError(f"{self.tree_set_path} carries no acceptance predictor, which "
                                    f"{ENV_POLICY}=entmtp-predictor needs (entmtp calibrate ... --records-only "
