@@ -73,7 +73,7 @@ def test_training_time_test_computes_what_drafting_computes(models, kind):
 def test_export_is_sglang_layout_and_loads_back(models, tmp_path):
     target, draft = models
     model_dir = tmp_path / "model"
-    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle"))
+    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle", "eagle3"))
     tiny = load_target(model_dir)
     torch.manual_seed(1)
     shape = LlamaShape(**{**vars(tiny.shape), "num_hidden_layers": 1})
@@ -160,10 +160,10 @@ def test_a_short_run_learns_resumes_and_exports(shards, tmp_path):
     assert cfg_json["architectures"] == ["LlamaForCausalLMEagle3"] and cfg_json["draft_vocab_size"] == 512
     target = load_target(BUNDLED_MODEL)
     model_dir = tmp_path / "model"
-    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle"))
+    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle", "eagle3"))
     shutil.copytree(run / "shipped", model_dir / "eagle3")
     loaded = load_drafter(model_dir, "eagle3", target=target)
-    assert loaded.target_layers == (2, 3, 3)  # fixed_data's capture for 6 layers
+    assert loaded.target_layers == (1, 3, 5)  # fixed_data's capture for 6 layers (SGLang's [2, 3, 3] repeats one)
 
 
 def test_the_eagle_drafter_trains_on_the_same_shards(shards, tmp_path):
@@ -176,7 +176,7 @@ def test_the_eagle_drafter_trains_on_the_same_shards(shards, tmp_path):
     done = et.train(shards, BUNDLED_MODEL, run, cfg, echo=False)
     assert done["held_out"]["loss"][0] < first["held_out"]["loss"][0] - 0.3
     model_dir = tmp_path / "model"
-    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle"))
+    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle", "eagle3"))
     shutil.copytree(run / "shipped", model_dir / "eagle")
     loaded = load_drafter(model_dir, "eagle", target=load_target(BUNDLED_MODEL))
     assert isinstance(loaded, EagleDraft) and loaded.head.draft_ids.numel() == 512
@@ -190,7 +190,7 @@ def test_prepare_installs_a_headless_eagle3_with_the_targets_head(tmp_path, monk
     from entmtp_sglang.model import prepare as prep
 
     shipped, model_dir = tmp_path / "shipped", tmp_path / "model"
-    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle"))
+    shutil.copytree(BUNDLED_MODEL, model_dir, ignore=shutil.ignore_patterns("medusa", "hydra", "eagle", "eagle3"))
     target = load_target(model_dir)
     d = Eagle3Draft(LlamaShape(**{**vars(target.shape), "num_hidden_layers": 1}), torch.arange(7, 4096, 9), (2, 3, 3))
     export(d, shipped / "eagle3", json.loads((model_dir / "config.json").read_text()), with_head=False)
@@ -202,3 +202,108 @@ def test_prepare_installs_a_headless_eagle3_with_the_targets_head(tmp_path, monk
     assert torch.equal(state["lm_head.weight"], want) and len(said) == 2
     prep._install_drafters(None, model_dir, said.append)
     assert len(said) == 2
+
+
+# -- the bundled model's EAGLE-3 drafter (training/tiny_eagle3.py) and how ENTMTP serves a draft of that kind ------
+
+SHIPPED = BUNDLED_MODEL / "eagle3"
+
+
+def test_capture_layers_are_three_distinct_layers():
+    """SGLang's default [2, L//2, L-3] where those are distinct (SmolLM2's 30 layers: 2, 15, 27); else [1, L//2, L-1]
+    (SGLang captures a repeated layer once, and fc would get two features for three); the model agrees."""
+    from entmtp_sglang.model.eagle3 import default_target_layers
+
+    for n in range(4, 41):
+        low, mid, high = fd.eagle3_layers(n)
+        assert 0 < low < mid < high < n and default_target_layers(n) == (low, mid, high), n
+    assert fd.eagle3_layers(30) == (2, 15, 27) and fd.eagle3_layers(6) == (1, 3, 5)
+
+
+def test_the_shipped_drafter_is_in_sglangs_eagle3_layout():
+    """What SGLang's `LlamaForCausalLMEagle3.load_weights` reads: the legacy `midlayer.*` names, a head over the
+    draft vocabulary (SGLang shares the target's head only with a full-vocabulary draft), d2t as target - draft ids,
+    the fused layers as `eagle_aux_hidden_state_layer_ids` (SGLang captures id + 1)."""
+    from safetensors.torch import load_file
+
+    cfg = json.loads((SHIPPED / "config.json").read_text())
+    target_cfg = json.loads((BUNDLED_MODEL / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 2, 4]
+    assert cfg["target_hidden_size"] == cfg["hidden_size"] == target_cfg["hidden_size"]
+    assert cfg["vocab_size"] == target_cfg["vocab_size"] and cfg["tie_word_embeddings"] is False
+    state = load_file(str(SHIPPED / "model.safetensors"))
+    vd, d = cfg["draft_vocab_size"], cfg["hidden_size"]
+    assert state["lm_head.weight"].shape == (vd, d) and state["fc.weight"].shape == (d, 3 * d)
+    assert all(v.dtype == torch.bfloat16 for k, v in state.items() if k not in ("d2t", "t2d"))
+    ids = state["d2t"] + torch.arange(vd)
+    assert bool((ids[1:] > ids[:-1]).all()) and 0 <= int(ids[0]) and int(ids[-1]) < cfg["vocab_size"]
+    assert torch.equal(state["t2d"].nonzero().flatten(), ids)
+    assert "embed_tokens.weight" not in state   # SGLang and the loader share the target's
+    recipe = json.loads((SHIPPED / "training.json").read_text())
+    assert recipe["capture_layers"] == [1, 3, 5] and recipe["held_out"]["agreement"][0] > 0.25
+
+
+def test_the_shipped_drafter_equals_plain_and_is_accepted_in_the_reference_engine():
+    """Greedy speculation with the shipped drafter equals plain decoding at batch 10 and batch 1, and a trained
+    drafter is accepted: 0.68 drafted tokens per chain:3 step when written (a random one: about none; the bundled
+    EAGLE drafter, trained on 14x the positions of the target's own training text: 1.65)."""
+    from entmtp_sglang.engine.engine import Engine, static_chooser
+    from entmtp_sglang.engine.plain import generate_plain
+    from entmtp_sglang.model.load import load_bundle
+    from entmtp_sglang.tasks import load_prompts
+    from entmtp_sglang.tree import Tree, from_sglang
+
+    b = load_bundle(drafter="eagle3")
+    assert b.drafter.target_layers == (1, 3, 5)
+    prompts = [b.tokenizer.encode(it["prompt"]).ids[-200:] for task in ("code", "json", "prose", "chat", "math")
+               for it in load_prompts(task, "test", 2)]
+    ref = [generate_plain(b.target, p, 32, eos_token_id=b.eos_token_id) for p in prompts]
+    engine = Engine(b.target, "eagle3", b.drafter, b.eos_token_id)
+    for tree in (Tree.chain(3), from_sglang(3, 4, 10)):
+        out = engine.generate(prompts, 32, static_chooser(tree))
+        assert [r.output_ids for r in out] == ref, tree.name
+        if tree.name == Tree.chain(3).name:
+            steps = [s for r in out for s in r.steps]
+            assert sum(s.accepted for s in steps) / len(steps) > 0.4, tree.name
+    assert engine.generate(prompts[:1], 32, static_chooser(Tree.chain(4)))[0].output_ids == ref[0]
+
+
+def test_entmtp_serves_a_draft_by_its_kind(tmp_path, monkeypatch):
+    """The draft's kind comes from its checkpoint; an EAGLE-3 draft takes its own shipped set where there is one,
+    else the model's EAGLE set, and a set calibrated for EAGLE-3 never serves an EAGLE draft."""
+    from types import SimpleNamespace
+
+    from entmtp_sglang.sglang.config import ENV_TREE_SET, EntMtpConfig, resolve_tree_set_path
+    from entmtp_sglang.sglang.eagle3 import draft_kind
+    from entmtp_sglang.tree.treeset import TreeSetError, shipped_tree_set
+
+    monkeypatch.delenv(ENV_TREE_SET, raising=False)
+    assert draft_kind(SHIPPED) == "eagle3" and draft_kind(BUNDLED_MODEL / "eagle") == "eagle"
+    assert draft_kind(None) == "eagle" and draft_kind(tmp_path / "nothing") == "eagle"
+    eagle_set = shipped_tree_set("eagle", "mixed")
+    assert resolve_tree_set_path(None, "entmtp-tiny", "eagle3") == eagle_set
+    args = SimpleNamespace(model_path=str(BUNDLED_MODEL), speculative_adaptive_config=None,
+                           speculative_draft_model_path=str(SHIPPED))
+    cfg = EntMtpConfig.from_server_args(args)
+    assert cfg.drafter == "eagle3" and cfg.load_tree_set().drafter == "eagle"
+    own = json.loads(eagle_set.read_text())
+    own["drafter"] = "eagle3"
+    (tmp_path / "eagle3.json").write_text(json.dumps(own))
+    monkeypatch.setenv(ENV_TREE_SET, str(tmp_path / "eagle3.json"))
+    assert EntMtpConfig.from_server_args(args).load_tree_set().drafter == "eagle3"
+    plain_eagle = SimpleNamespace(**{**vars(args), "speculative_draft_model_path": str(BUNDLED_MODEL / "eagle")})
+    with pytest.raises(TreeSetError, match="calibrated for the eagle3 drafter, not eagle"):
+        EntMtpConfig.from_server_args(plain_eagle).load_tree_set()
+
+
+def test_the_bundled_eagle_drafter_stores_no_embedding():
+    """The bundled EAGLE drafter's embedding is the target's (frozen in training; 2 MB the package does not carry):
+    SGLang gives the draft the target's (`set_embed_and_head`), and the loader shares it the same way."""
+    from safetensors import safe_open
+
+    with safe_open(str(BUNDLED_MODEL / "eagle" / "model.safetensors"), "pt") as f:
+        assert "embed_tokens.weight" not in set(f.keys())
+    target = load_target(BUNDLED_MODEL)
+    draft = load_drafter(BUNDLED_MODEL, "eagle", target=target)
+    assert torch.equal(draft.embed_tokens.weight, target.model.embed_tokens.weight)

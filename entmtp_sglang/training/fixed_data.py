@@ -130,7 +130,7 @@ class Recipe:
 
 def eagle3_layers(num_hidden_layers: int) -> tuple[int, int, int]:
     """The decoder layers whose *input* (residual stream) EAGLE-3 fuses: SGLang's default capture for Llama,
-    [2, L//2, L-3]; where those are not three distinct layers (L < 8: the bundled model's 6 give [2, 3, 3], and
+    [2, L//2, L-3]; where those are not three distinct layers (L < 7: the bundled model's 6 give [2, 3, 3], and
     SGLang captures a repeated layer once), [1, L//2, L-1]. The draft's config names them either way."""
     low, mid, high = 2, num_hidden_layers // 2, num_hidden_layers - 3
     if not low < mid < high:
