@@ -103,7 +103,12 @@ def test_greedy_equals_plain_at_batch_1(servers):
     for tree in [None, *trees_to_pin()]:
         outs = [ent.post("/generate", pinned(j, tree)) for j in jobs()]
         accept = check(outs, reference, tree)
-        if tree is not None:
+        if tree is None:   # ENTMTP's policy speculated with this draft on some steps (chain:0 is a plain step)
+            chosen = [t for o in outs for t in o["meta_info"]["entmtp_trees"]]
+            print(f"batch 1, policy: {len(chosen)} steps, {sum(t != 'chain:0' for t in chosen)} speculated, "
+                  f"mean accepted length {sum(accept) / len(accept):.2f}")
+            assert any(t != "chain:0" for t in chosen), chosen
+        else:
             mean = sum(accept) / len(accept)
             print(f"batch 1, {tree}: mean accepted length {mean:.2f}")
             assert mean > MIN_ACCEPT_LENGTH, (tree, accept)
