@@ -71,6 +71,10 @@ def servers(tmp_path_factory):
 
 def trees_to_pin() -> list[str]:
     """The deepest and the widest (most children under one node) tree of the set ENTMTP serves this draft with."""
+    return [t.name for t in deep_and_wide()]
+
+
+def deep_and_wide():
     ts = load_tree_set(resolve_tree_set_path(None, BUNDLED_MODEL.name, "eagle3"))
 
     def width(t):
@@ -79,7 +83,7 @@ def trees_to_pin() -> list[str]:
     deep = max(ts.trees, key=lambda t: (t.tree.max_depth, t.tree.num_nodes))
     wide = max(ts.trees, key=lambda t: (width(t), t.tree.num_nodes))
     assert deep.tree.max_depth > 2 and width(wide) > 1
-    return [deep.tree.name, wide.tree.name]
+    return [deep.tree, wide.tree]
 
 
 def check(outs: list[dict], reference: list[list[int]], tree: str | None) -> list[float]:
@@ -121,3 +125,27 @@ def test_greedy_equals_plain_at_batch_8(servers):
         with cf.ThreadPoolExecutor(BATCH) as pool:
             outs = list(pool.map(lambda j: ent.post("/generate", pinned(j, tree)), jobs()))
         check(outs, reference, tree)
+
+
+def test_sglang_accepts_what_the_reference_engine_accepts(servers):
+    """The same prompt ids under the same trees through SGLang (pinned) and through the reference engine with the
+    same drafter: equal output and about the same drafts accepted, so SGLang's draft reads what ours was trained
+    on (fc over the captured layers at the draft extend, its own output deeper in the tree, d2t to target ids). A
+    draft fed the wrong features still gives equal output but accepts far fewer drafts. Not exactly equal: the two
+    compute the draft in different orders (a near-tie can flip a drafted token), and SGLang counts drafts accepted
+    past `max_new_tokens` in a request's last step."""
+    from entmtp_sglang.engine.engine import Engine, static_chooser
+    from entmtp_sglang.model.load import load_bundle
+
+    ent, _ = servers
+    b = load_bundle(drafter="eagle3")
+    prompts = [b.tokenizer.encode(j["text"]).ids for j in jobs() if "json_schema" not in j["sampling_params"]]
+    engine = Engine(b.target, "eagle3", b.drafter, b.eos_token_id)
+    for tree in deep_and_wide():
+        ref = engine.generate(prompts, MAX_NEW, static_chooser(tree))
+        outs = [ent.generate_ids(p, MAX_NEW, custom_params={"entmtp_tree": tree.name}) for p in prompts]
+        assert [o["output_ids"] for o in outs] == [r.output_ids for r in ref], tree.name
+        ours = sum(s.accepted for r in ref for s in r.steps)
+        theirs = sum(o["meta_info"]["spec_num_correct_drafts"] for o in outs)
+        print(f"{tree.name}: drafts accepted, reference engine {ours}, SGLang {theirs}")
+        assert ours > len(prompts) and abs(theirs - ours) <= 0.1 * ours + len(prompts), (tree.name, ours, theirs)
