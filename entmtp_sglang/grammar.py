@@ -134,28 +134,47 @@ class RequestGrammar:
 
     def forced_span(self, path: list[int], spell, max_tokens: int) -> list[int]:
         """The tokens the grammar alone decides after `path` (tokens below the root), at most `max_tokens`:
-        [] where the path is illegal or nothing is decided.
+        [] where the path is illegal or nothing is decided (`jump_forward_span` on this request's matcher)."""
+        return jump_forward_span(self.matcher, path, spell, max_tokens, self.vocab_size)
 
-            accept path
-            while fewer than max_tokens and not terminated:
-                text = the grammar's jump-forward string (xgrammar: the text every legal continuation starts with),
-                       less trailing whitespace (a tokenizer joins it to the next word: `": ` is spelled `":` ` 1`)
-                if text:  take spell(text) (the tokenizer's spelling) up to its first token the grammar refuses
-                elif exactly one token is legal (a stop token, a token only one spelling reaches): take it
-                else: stop
-            roll everything back
+    def advance(self, tokens: list[int]) -> bool:
+        for t in tokens:
+            if self.matcher.is_terminated():
+                return True  # tokens after the stop token are cut by the engine
+            if not self.matcher.accept_token(int(t)):
+                self.dead_end, self.rejected_token = True, int(t)
+                return False
+        return True
 
-        `spell(text) -> list[int]` is the tokenizer's ordinary encoding of `text` (no special tokens). The
-        model may spell the same text otherwise: the span is a draft, verified like any other."""
-        m = self.matcher
-        accepted = 0
-        for t in path:
-            if m.is_terminated() or not m.accept_token(int(t)):
-                if accepted:
-                    m.rollback(accepted)
-                return []
-            accepted += 1
-        out: list[int] = []
+
+def jump_forward_span(matcher, path: list[int], spell, max_tokens: int, vocab_size: int) -> list[int]:
+    """The tokens an xgrammar `GrammarMatcher` alone decides after `path` (tokens below its current state), at most
+    `max_tokens`: [] where the path is illegal or nothing is decided. The matcher is left as found.
+
+        accept path
+        while fewer than max_tokens and not terminated:
+            text = the grammar's jump-forward string (xgrammar: the text every legal continuation starts with),
+                   less trailing whitespace (a tokenizer joins it to the next word: `": ` is spelled `":` ` 1`)
+            if text:  take spell(text) (the tokenizer's spelling) up to its first token the grammar refuses
+            elif exactly one token is legal (a stop token, a token only one spelling reaches): take it
+            else: stop
+        roll everything back
+
+    `spell(text) -> list[int]` is the tokenizer's ordinary encoding of `text` (no special tokens). The model may
+    spell the same text otherwise: the span is a draft, verified like any other. Shared by the reference engine
+    (`RequestGrammar.forced_span`) and SGLang's grammar objects (`sglang/forced_draft.py`)."""
+    import xgrammar as xgr
+
+    m = matcher
+    accepted = 0
+    for t in path:
+        if m.is_terminated() or not m.accept_token(int(t)):
+            if accepted:
+                m.rollback(accepted)
+            return []
+        accepted += 1
+    out: list[int] = []
+    try:
         while len(out) < max_tokens and not m.is_terminated():
             text = m.find_jump_forward_string().rstrip()
             took = 0
@@ -166,24 +185,18 @@ class RequestGrammar:
                     out.append(int(t))
                     took += 1
             else:
-                legal = self.root_mask().nonzero().flatten()
+                bm = xgr.allocate_token_bitmask(1, vocab_size)
+                m.fill_next_token_bitmask(bm)
+                legal = _bool_mask(bm, vocab_size)[0].nonzero().flatten()
                 if legal.numel() == 1 and m.accept_token(int(legal[0])):
                     out.append(int(legal[0]))
                     took = 1
             if not took:
                 break
+    finally:
         if accepted + len(out):
             m.rollback(accepted + len(out))
-        return out
-
-    def advance(self, tokens: list[int]) -> bool:
-        for t in tokens:
-            if self.matcher.is_terminated():
-                return True  # tokens after the stop token are cut by the engine
-            if not self.matcher.accept_token(int(t)):
-                self.dead_end, self.rejected_token = True, int(t)
-                return False
-        return True
+    return out
 
 
 class GrammarDraftMasks:

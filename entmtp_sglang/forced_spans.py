@@ -1,0 +1,221 @@
+"""Forced spans, the pure parts both engines share: text the grammar alone decides, drafted without the drafter.
+
+`ForcedSpans.extend` hangs below each leaf of a drafted tree the tokens its grammar decides there (a grammar object
+with `forced_span(path, spell, n)`: `grammar.RequestGrammar` in the reference engine, SGLang's xgrammar objects
+through `sglang/forced_draft.py`); `ForcedSpans.verified` counts what the target accepted. The reference engine's
+step (engine/forced.py) and SGLang's worker (sglang/forced_draft.py) wire them in.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Callable
+
+from .tree import Tree
+
+
+@dataclass(frozen=True)
+class ForcedSpanConfig:
+    """max_tokens: the longest span below one leaf; max_nodes: forced nodes per request and step;
+    prior_acceptance / prior_weight: the acceptance assumed before any span is verified, and its weight in
+    tokens; forced_only: a request whose span after the root is worth its tree's depth drafts nothing;
+    min_reach: no span below a leaf the drafter gives less than this probability of being reached."""
+
+    max_tokens: int = 16
+    max_nodes: int = 48
+    prior_acceptance: float = 0.9
+    prior_weight: float = 4.0
+    forced_only: bool = True
+    min_reach: float = 0.3
+
+    def __post_init__(self):
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_nodes < self.max_tokens:
+            raise ValueError(f"max_nodes ({self.max_nodes}) must be >= max_tokens ({self.max_tokens})")
+        if not 0.0 <= self.prior_acceptance <= 1.0:
+            raise ValueError(f"prior_acceptance must lie in [0, 1], got {self.prior_acceptance}")
+        if not 0.0 <= self.min_reach < 1.0:
+            raise ValueError(f"min_reach must lie in [0, 1), got {self.min_reach}")
+        if self.prior_weight <= 0:
+            raise ValueError(f"prior_weight must be > 0, got {self.prior_weight}")
+
+
+@dataclass
+class ForcedStats:
+    """One request's forced spans. spans / nodes: spans and forced tokens verified; reached / tried / accepted:
+    spans the accepted path entered, their tokens up to and including the first rejected one, and their
+    accepted tokens; output_tokens: accepted forced tokens kept in the output (after max_new_tokens/eos cuts)."""
+
+    spans: int = 0
+    nodes: int = 0
+    reached: int = 0
+    tried: int = 0
+    accepted: int = 0
+    output_tokens: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        """Per-token acceptance of forced tokens (geometric: accepted / tried); nan before any was tried."""
+        return self.accepted / self.tried if self.tried else float("nan")
+
+    @property
+    def mean_span(self) -> float:
+        return self.nodes / self.spans if self.spans else 0.0
+
+    def share(self, output_len: int) -> float:
+        """The share of an output of `output_len` tokens that came from forced spans."""
+        return self.output_tokens / output_len if output_len else 0.0
+
+    def add(self, other: "ForcedStats") -> None:
+        for k in ("spans", "nodes", "reached", "tried", "accepted", "output_tokens"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+    def to_json(self, output_len: int) -> dict:
+        a = self.acceptance
+        return {"spans": self.spans, "forced_nodes": self.nodes, "spans_reached": self.reached,
+                "tried": self.tried, "accepted": self.accepted, "output_tokens": self.output_tokens,
+                "share_of_output": round(self.share(output_len), 4), "mean_span": round(self.mean_span, 3),
+                "acceptance": None if a != a else round(a, 4)}
+
+
+@dataclass(frozen=True)
+class Span:
+    """A forced chain below `leaf`: its nodes are first .. first + len(tokens) - 1 of the extended tree."""
+
+    leaf: int
+    first: int
+    tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Extended:
+    """A drafted tree with its forced spans: `tree` and `tokens` as verified; nodes >= num_drafted are forced."""
+
+    tree: Tree
+    tokens: tuple[int, ...]
+    num_drafted: int
+    spans: tuple[Span, ...] = ()
+
+    @property
+    def num_forced(self) -> int:
+        return self.tree.num_nodes - self.num_drafted
+
+
+def extend_tree(tree: Tree, tokens: list[int], spans: dict[int, list[int]]) -> Extended:
+    """`tree` with a chain of `spans[leaf]` below each leaf named, appended in leaf order."""
+    parents, toks, out = list(tree.parents), list(tokens[: tree.num_nodes]), []
+    for leaf in sorted(spans):
+        chain = spans[leaf]
+        if not chain:
+            continue
+        if tree.children[leaf]:
+            raise ValueError(f"node {leaf} has children: forced spans hang below leaves only")
+        out.append(Span(leaf, len(parents), tuple(chain)))
+        for k, t in enumerate(chain):
+            parents.append(leaf if k == 0 else len(parents) - 1)
+            toks.append(int(t))
+    if not out:
+        return Extended(tree, tuple(toks), tree.num_nodes)
+    return Extended(Tree(tuple(parents), name=f"{tree.name}+forced{len(parents) - tree.num_nodes}"),
+                    tuple(toks), tree.num_nodes, tuple(out))
+
+
+def path_tokens(tree: Tree, tokens: list[int], node: int) -> list[int]:
+    """The tokens from below the root down to `node` (the root's own token is already the grammar's)."""
+    path = []
+    while node > 0:
+        path.append(int(tokens[node]))
+        node = tree.parents[node]
+    return path[::-1]
+
+
+class ForcedSpans:
+    """Forced-span drafting for the engine: `spell(text) -> token ids` is the tokenizer's ordinary encoding.
+    Keeps the engine-wide acceptance of forced tokens (the calibration later requests start from)."""
+
+    def __init__(self, spell: Callable[[str], list[int]], config: ForcedSpanConfig = ForcedSpanConfig()):
+        self.config = config
+        self.spell = lru_cache(maxsize=4096)(lambda text: tuple(spell(text)))
+        self.seen = ForcedStats()  # every verified span so far (the engine-wide calibration)
+
+    @classmethod
+    def for_tokenizer(cls, tokenizer, config: ForcedSpanConfig = ForcedSpanConfig()) -> "ForcedSpans":
+        """From a `tokenizers.Tokenizer` (or the bundle's PromptTokenizer): encode without special tokens."""
+        inner = getattr(tokenizer, "tokenizer", tokenizer)
+        return cls(lambda text: inner.encode(text, add_special_tokens=False).ids, config)
+
+    # -- what a span is worth ------------------------------------------------------------------
+    def acceptance(self, stats: ForcedStats | None = None) -> float:
+        """The forced tokens' acceptance for a request with `stats` so far: its own evidence on a prior that is
+        the engine-wide rate (itself on `prior_acceptance`)."""
+        c = self.config
+        prior = (self.seen.accepted + c.prior_weight * c.prior_acceptance) / (self.seen.tried + c.prior_weight)
+        if stats is None:
+            return prior
+        return (stats.accepted + c.prior_weight * prior) / (stats.tried + c.prior_weight)
+
+    @staticmethod
+    def expected_tokens(span_len: int, acceptance: float) -> float:
+        """E[accepted tokens] of a span of `span_len` forced tokens: sum_{i=1..span_len} a^i."""
+        a = acceptance
+        return float(span_len) if a >= 1.0 else a * (1.0 - a ** span_len) / (1.0 - a)
+
+    def forced_only(self, span_len: int, tree: Tree, stats: ForcedStats | None = None) -> bool:
+        """Whether the span after the root is worth at least what `tree` could give at most (its depth): then
+        the step drafts nothing for the request and verifies the span alone."""
+        if not self.config.forced_only or span_len == 0:
+            return False
+        return self.expected_tokens(span_len, self.acceptance(stats)) >= tree.max_depth
+
+    # -- drafting ------------------------------------------------------------------------------
+    def root_span(self, grammar, room: int) -> list[int]:
+        """The span right after the root (its grammar state is the request's now), at most `room` tokens."""
+        return grammar.forced_span([], self.spell, min(self.config.max_tokens, room))
+
+    def extend(self, tree: Tree, tokens: list[int], grammar, room: int,
+               logprobs: list[float] | None = None) -> Extended:
+        """Hang the forced span of each leaf below it, at most max_tokens per span and max_nodes per tree, and no
+        deeper than `room` levels below the root (context and cache). With `logprobs` (each node's draft log-prob
+        under its parent's distribution), the leaves the drafter most expects to be reached come first and those
+        it gives less than `min_reach` are left alone; else node order."""
+        budget = self.config.max_nodes
+        spans: dict[int, list[int]] = {}
+        depths = tree.depths
+        leaves = [n for n in range(tree.num_nodes) if not tree.children[n]]
+        if logprobs is not None:
+            reach = [0.0] * tree.num_nodes  # log P(the path to node n is drafted right), by the drafter
+            for n in range(1, tree.num_nodes):
+                reach[n] = reach[tree.parents[n]] + logprobs[n]
+            floor = math.log(self.config.min_reach) if self.config.min_reach > 0 else -math.inf
+            leaves = sorted((n for n in leaves if reach[n] >= floor), key=lambda n: -reach[n])
+        for leaf in leaves:
+            if budget <= 0:
+                break
+            cap = min(self.config.max_tokens, budget, room - depths[leaf])
+            if cap <= 0:
+                continue
+            span = grammar.forced_span(path_tokens(tree, tokens, leaf), self.spell, cap)
+            if span:
+                spans[leaf] = span
+                budget -= len(span)
+        return extend_tree(tree, tokens, spans)
+
+    # -- after verification --------------------------------------------------------------------
+    def verified(self, ext: Extended, accepted_nodes: tuple[int, ...], stats: ForcedStats) -> int:
+        """Count one verified tree's spans into `stats` (and the engine-wide calibration); returns the forced
+        tokens on the accepted path."""
+        on_path = set(accepted_nodes)
+        step = ForcedStats(spans=len(ext.spans), nodes=ext.num_forced)
+        for sp in ext.spans:
+            if sp.leaf not in on_path:
+                continue
+            k = sum(1 for j in range(len(sp.tokens)) if sp.first + j in on_path)
+            step.reached += 1
+            step.accepted += k
+            step.tried += k + (k < len(sp.tokens))  # the first rejected token was tried too
+        stats.add(step)
+        self.seen.add(step)
+        return step.accepted

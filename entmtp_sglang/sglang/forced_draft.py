@@ -1,0 +1,322 @@
+"""Forced spans inside SGLang (issue 37, item 3): text the grammar alone decides, drafted without the drafter.
+
+The reference engine's forced spans (engine/forced.py; the pure parts both share in forced_spans.py) in ENTMTP's
+SGLang worker. After the draft, before the target verifies, every constrained request's tree (as SGLang will verify
+it: draft tokens and first-child / next-sibling links, real nodes only) gets below its leaves the tokens its grammar
+decides there (`grammar.jump_forward_span` on SGLang's own xgrammar matcher: the jump-forward string as the
+tokenizer spells it, and tokens that are the only legal one), at most `max_tokens` per request and step:
+
+    SGLang's verify layout, bs x N                 with forced spans, bs x N'   (N' = N + the longest row's span)
+    row 0: 0 ─ 1 ─ 3   (N = 4, 2 padding)          row 0: 0 ─ 1 ─ 3 ─ 4' ─ 5' ─ 6'     the grammar writes `", "`
+            └─ 2                                           └─ 2
+    row 1: 0           (a resting row)             row 1: 0 ─ 4' ─ 5'                 the span after the root
+
+Forced nodes take columns N.. of their row; rows with shorter spans are padded there, and every padding column is
+left out of the verify links and of the target's forward exactly as ragged verify leaves a row's padding out
+(ragged.py): the step always verifies raggedly. A forced node is a draft like any other: SGLang's own acceptance
+and grammar walks verify it against the target's argmax under the grammar's mask, so output stays plain SGLang's
+even where the model spells the text otherwise (the span is rejected from that token on). The draft extend after
+verification runs over the accepted tokens, forced ones included, so the drafter stays caught up.
+
+Leaves are served in order of their drafter ranks (the top-1 path first: `rank_priority`), and a leaf gets no
+span deeper than the request's room (context and max_new_tokens). The policy's acceptance feedback counts at most
+the drafted tree's depth (`policy_counts`), as the reference engine's does; each request's `meta_info` gets
+`entmtp_forced`: per decode step [forced tokens verified, of them accepted].
+
+No SGLang import: SGLang's objects (grammar, verify input, verify result) are read through their attributes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..forced_spans import Extended, ForcedSpanConfig, ForcedSpans, ForcedStats
+from ..grammar import jump_forward_span
+from ..tree import Tree
+from .ragged import RaggedVerify, packed_index
+
+logger = logging.getLogger("entmtp_sglang.sglang")
+
+ENV_FORCED = "ENTMTP_FORCED_SPANS"              # "0": no forced spans inside SGLang
+ENV_FORCED_MAX = "ENTMTP_FORCED_MAX_TOKENS"     # forced tokens per request and step (default 16)
+DEFAULT_MAX_TOKENS = 16
+
+
+def forced_config_from_env() -> ForcedSpanConfig | None:
+    """The forced-span configuration this server runs with (None: off). One span per leaf of at most
+    `max_tokens`, and at most `max_tokens` per request and step (what sizes the extra verify width)."""
+    if os.environ.get(ENV_FORCED, "1").strip() == "0":
+        return None
+    raw = os.environ.get(ENV_FORCED_MAX, "").strip()
+    try:
+        n = int(raw) if raw else DEFAULT_MAX_TOKENS
+    except ValueError:
+        raise ValueError(f"{ENV_FORCED_MAX} must be an integer, got {raw!r}") from None
+    if n < 1:
+        raise ValueError(f"{ENV_FORCED_MAX} must be >= 1, got {n}")
+    return ForcedSpanConfig(max_tokens=n, max_nodes=n, min_reach=0.0, forced_only=False)
+
+
+def extra_verify_tokens() -> int:
+    """Verify positions a request may need beyond its tree this step (KV reserved per decode step)."""
+    config = forced_config_from_env()
+    return 0 if config is None else config.max_nodes
+
+
+class SGLangGrammar:
+    """A request's SGLang grammar object (xgrammar backend: its `matcher`) as `ForcedSpans` reads a grammar."""
+
+    def __init__(self, grammar, vocab_size: int):
+        self.grammar, self.vocab_size = grammar, vocab_size
+
+    @staticmethod
+    def of(grammar, vocab_size: int) -> SGLangGrammar | None:
+        """None for a grammar without an xgrammar matcher (another backend): no spans for it."""
+        matcher = getattr(grammar, "matcher", None)
+        return SGLangGrammar(grammar, vocab_size) if hasattr(matcher, "find_jump_forward_string") else None
+
+    def forced_span(self, path: list[int], spell, max_tokens: int) -> list[int]:
+        return jump_forward_span(self.grammar.matcher, path, spell, max_tokens, self.vocab_size)
+
+
+# -- the verify layout (pure) ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RowTree:
+    """One row of SGLang's verify layout as a tree: `tree` over the row's real nodes (node i at column
+    `columns[i]`, in column order: SGLang's columns are topological), their tokens, and each node's rank among
+    its siblings (0: the drafter's first choice)."""
+
+    tree: Tree
+    columns: tuple[int, ...]
+    tokens: tuple[int, ...]
+    ranks: tuple[int, ...]
+
+
+def row_tree(tokens: list[int], next_token: list[int], next_sibling: list[int]) -> RowTree:
+    """The tree SGLang's verify walks for one row: the columns reachable from the root over first-child /
+    next-sibling links (padding, unlinked, is left out)."""
+    parent_col, rank_col = {0: -1}, {0: 0}
+    stack = [0]
+    while stack:
+        p = stack.pop()
+        c, r = next_token[p], 0
+        while c >= 0:
+            parent_col[c], rank_col[c] = p, r
+            stack.append(c)
+            c, r = next_sibling[c], r + 1
+    cols = sorted(parent_col)
+    node = {c: i for i, c in enumerate(cols)}
+    parents = tuple(-1 if c == 0 else node[parent_col[c]] for c in cols)
+    return RowTree(Tree(parents, name="row"), tuple(cols), tuple(int(tokens[c]) for c in cols),
+                   tuple(rank_col[c] for c in cols))
+
+
+def rank_priority(row: RowTree) -> list[float]:
+    """Each node's score for `ForcedSpans.extend`'s leaf order (its `logprobs` argument): minus its sibling rank, so
+    a leaf's sum along its path orders the drafter's top-1 path first, then paths with fewer lower-ranked turns."""
+    return [-float(r) for r in row.ranks]
+
+
+@dataclass(frozen=True)
+class ForcedLayout:
+    """A step's verify layout with forced spans: (bs, N') tensors as SGLang's verify input holds them, flattened
+    there, and per row its extension (None: no span) with the column of every node of the extended tree."""
+
+    num_nodes: int
+    max_depth: int
+    tokens: torch.Tensor        # (bs, N') draft tokens (column 0: the root's)
+    positions: torch.Tensor     # (bs, N')
+    mask: torch.Tensor          # (bs, N', N') QLEN_ONLY tree mask: [b, i, j] = column j is an ancestor-or-self of i
+    next_token: torch.Tensor    # (bs, N') first child, real nodes only (-1: none)
+    next_sibling: torch.Tensor  # (bs, N')
+    real: torch.Tensor          # (bs, N') bool: the columns verified
+    extended: tuple[Extended | None, ...]
+    columns: tuple[tuple[int, ...], ...]   # per row: column of each node of its (extended) tree
+    drafted_depth: tuple[int, ...]          # per row: the depth of its tree as drafted (before spans)
+
+
+def widen(tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, next_token: torch.Tensor,
+          next_sibling: torch.Tensor, rows: list[RowTree], extended: list[Extended | None]) -> ForcedLayout:
+    """SGLang's (bs, N) verify layout with each row's forced nodes in columns N.. (pure; host tensors):
+
+        N' = N + max forced nodes of a row
+        old columns: as they were (tokens, positions, mask rows; links over the real nodes)
+        forced node f of row b (tree node n + f): column N + f, token, position = root's + its depth,
+            mask row = its parent's row + itself, linked below its parent
+        padding columns: unlinked, not real, visible to themselves only"""
+    bs, n = tokens.shape
+    width = n + max((e.num_forced for e in extended if e is not None), default=0)
+    out_tokens = torch.zeros((bs, width), dtype=tokens.dtype)
+    out_tokens[:, :n] = tokens
+    out_pos = positions[:, :1].expand(bs, width).clone()
+    out_pos[:, :n] = positions
+    out_mask = torch.eye(width, dtype=torch.bool).repeat(bs, 1, 1)
+    out_mask[:, :n, :n] = mask
+    first = torch.full((bs, width), -1, dtype=torch.long)
+    sibling = torch.full((bs, width), -1, dtype=torch.long)
+    real = torch.zeros((bs, width), dtype=torch.bool)
+    first[:, :n], sibling[:, :n] = next_token, next_sibling
+    columns, depths, max_depth = [], [], 0
+    for b, (row, ext) in enumerate(zip(rows, extended)):
+        real[b, list(row.columns)] = True
+        depths.append(row.tree.max_depth)
+        if ext is None:
+            columns.append(row.columns)
+            max_depth = max(max_depth, row.tree.max_depth)
+            continue
+        cols = list(row.columns) + [n + f for f in range(ext.num_forced)]
+        columns.append(tuple(cols))
+        tree = ext.tree
+        max_depth = max(max_depth, tree.max_depth)
+        for node in range(ext.num_drafted, tree.num_nodes):
+            c, p = cols[node], cols[tree.parents[node]]
+            out_tokens[b, c] = ext.tokens[node]
+            out_pos[b, c] = positions[b, 0] + tree.depths[node]
+            out_mask[b, c] = out_mask[b, p]
+            out_mask[b, c, c] = True
+            real[b, c] = True
+            kids = tree.children[tree.parents[node]]   # a span hangs below a leaf: its chain is an only child
+            if kids[0] == node:
+                first[b, p] = c
+    return ForcedLayout(width, max_depth, out_tokens, out_pos, out_mask, first, sibling, real, tuple(extended),
+                        tuple(columns), tuple(depths))
+
+
+def accepted_nodes(columns: tuple[int, ...], accept_row: list[int], width: int, row: int) -> tuple[int, ...]:
+    """A row's accepted path as nodes of its extended tree (root first), from SGLang's accept_index row (global
+    positions row * N' + column, -1 padded)."""
+    node_of = {c: i for i, c in enumerate(columns)}
+    return tuple(node_of[g - row * width] for g in accept_row if g >= 0 and g - row * width in node_of)
+
+
+def new_tokens_left(req) -> int:
+    """Tokens the request may still emit (max_new_tokens less its output; large when unset): the deepest a span
+    below its root is worth verifying."""
+    limit = getattr(getattr(req, "sampling_params", None), "max_new_tokens", None)
+    if limit is None:
+        return 1 << 30
+    return max(int(limit) - len(getattr(req, "output_ids", ()) or ()), 0)
+
+
+@dataclass
+class ForcedStep:
+    """This step's forced spans: the layout verified, the ragged verify it rides, and the width it replaced."""
+
+    layout: ForcedLayout
+    ragged: RaggedVerify
+    rids: tuple[str, ...]
+    base_width: int
+
+
+class ForcedDraft:
+    """Forced spans for the ENTMTP worker: `extend` rewrites a step's verify input (after the draft, before the
+    verify); `verified` counts what was accepted; `policy_counts` cuts the acceptance feedback to the drafted
+    depth. Per-request statistics live in `stats` (rid -> `ForcedStats`) until the request leaves."""
+
+    def __init__(self, spans: ForcedSpans, vocab_size: int):
+        self.spans, self.vocab_size = spans, vocab_size
+        self.stats: dict[str, ForcedStats] = {}
+
+    @classmethod
+    def for_worker(cls, tokenizer_path: str, vocab_size: int, ragged: bool, topk: int) -> ForcedDraft | None:
+        """The forced-span drafter of a worker, or None (logged at start-up either way)."""
+        config = forced_config_from_env()
+        reason = (f"{ENV_FORCED}=0" if config is None
+                  else "ragged verify is off" if not ragged
+                  else "top-k 1 trees (SGLang then keeps no accepted-path compaction)" if topk < 2 else None)
+        if reason is not None:
+            logger.info("ENTMTP: forced spans off (%s): constrained requests draft the grammar's text like any other",
+                        reason)
+            return None
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(tokenizer_path)
+        logger.info("ENTMTP: forced spans on: below the leaves of a constrained request's tree, the text its grammar "
+                    "decides, as the tokenizer spells it, up to %d tokens per request and step, verified like any "
+                    "draft (%s=0 turns them off)", config.max_tokens, ENV_FORCED)
+        return cls(ForcedSpans(lambda text: tok.encode(text, add_special_tokens=False), config), vocab_size)
+
+    def extend(self, spec, ragged: RaggedVerify | None, reqs, grammars: dict[int, object], kv_rooms: list[int]
+               ) -> ForcedStep | None:
+        """Hang each constrained row's spans into SGLang's verify input `spec` (an EagleVerifyInput; edited in
+        place) and return the step, or None when no row has a span (`spec` untouched). `grammars`: row -> SGLang
+        grammar object of the rows that may take spans; `kv_rooms[row]`: KV positions left before its context
+        limit (a row takes spans only where N + max_nodes fit)."""
+        if not grammars or getattr(spec, "prepared_out_cache_loc", None) is not None \
+                or getattr(spec, "kv_loc_plan", None) is not None:
+            return None
+        bs = len(reqs)
+        n = int(spec.draft_token_num)
+        if spec.draft_token.numel() != bs * n or spec.custom_mask is None or spec.custom_mask.numel() < bs * n * n:
+            return None
+        tokens = spec.draft_token.view(bs, n).cpu()
+        links = (ragged.next_token, ragged.next_sibling) if ragged is not None else \
+            (spec.retrieve_next_token, spec.retrieve_next_sibling)
+        first, sibling = (t.cpu().long() for t in links)
+        host_tokens, host_first, host_sibling = tokens.tolist(), first.tolist(), sibling.tolist()
+        rows = [row_tree(host_tokens[b], host_first[b], host_sibling[b]) for b in range(bs)]
+        extended: list[Extended | None] = [None] * bs
+        for b, g in grammars.items():
+            grammar = SGLangGrammar.of(g, self.vocab_size)
+            room = new_tokens_left(reqs[b]) if kv_rooms[b] >= n + self.spans.config.max_nodes else 0
+            if grammar is None or room <= 0:
+                continue
+            row = rows[b]
+            try:
+                ext = self.spans.extend(row.tree, list(row.tokens), grammar, room, rank_priority(row))
+            except Exception:   # drafting must never fail a request: no span for it this step
+                logger.exception("ENTMTP: forced span failed for %s; none this step", reqs[b].rid)
+                continue
+            if ext.spans:
+                extended[b] = ext
+        if all(e is None for e in extended):
+            return None
+        device = spec.draft_token.device
+        mask = spec.custom_mask.reshape(-1)[: bs * n * n].view(bs, n, n).cpu()
+        layout = widen(tokens, spec.positions.view(bs, n).cpu(), mask, first, sibling, rows, extended)
+        w = layout.num_nodes
+        spec.draft_token = layout.tokens.reshape(-1).to(device, spec.draft_token.dtype)
+        spec.positions = layout.positions.reshape(-1).to(device, spec.positions.dtype)
+        spec.custom_mask = layout.mask.reshape(-1).to(device, spec.custom_mask.dtype)
+        idx_dtype = spec.retrieve_index.dtype
+        spec.retrieve_index = torch.arange(bs * w, device=device, dtype=idx_dtype).view(bs, w)
+        spec.retrieve_next_token = layout.next_token.to(device, spec.retrieve_next_token.dtype)
+        spec.retrieve_next_sibling = layout.next_sibling.to(device, spec.retrieve_next_sibling.dtype)
+        spec.draft_token_num = spec.num_tokens_per_req = spec.num_tokens_for_logprob_per_req = w
+        spec.spec_steps = max(int(spec.spec_steps), layout.max_depth)
+        real = layout.real.to(device)
+        counts = tuple(int(c) for c in layout.real.sum(1).tolist())
+        rs = RaggedVerify(real, counts, packed_index(real), spec.retrieve_next_token, spec.retrieve_next_sibling)
+        return ForcedStep(layout, rs, tuple(r.rid for r in reqs), n)
+
+    def verified(self, step: ForcedStep, reqs, accept_index: torch.Tensor | None) -> list[tuple[int, int]]:
+        """Count the verified spans (per request: [forced tokens verified, accepted]); `accept_index` (bs, W):
+        SGLang's accepted global positions."""
+        out = []
+        rows = accept_index.tolist() if accept_index is not None else [[] for _ in reqs]
+        live = set()
+        for b, r in enumerate(reqs):
+            live.add(r.rid)
+            ext = step.layout.extended[b]
+            if ext is None:
+                out.append((0, 0))
+                continue
+            stats = self.stats.setdefault(r.rid, ForcedStats())
+            nodes = accepted_nodes(step.layout.columns[b], rows[b], step.layout.num_nodes, b)
+            got = self.spans.verified(ext, nodes, stats)
+            stats.output_tokens += got
+            out.append((ext.num_forced, got))
+        if len(self.stats) > 4 * max(64, len(reqs)):
+            self.stats = {k: v for k, v in self.stats.items() if k in live}
+        return out
+
+    @staticmethod
+    def policy_counts(step: ForcedStep, counts: list[int]) -> list[int]:
+        """Accepted drafts as the policy's feedback reads them: at most the depth each row's tree was drafted to
+        (beyond it the tokens are the grammar's, not the drafter's)."""
+        return [min(int(c), d) if e is not None else int(c)
+                for c, d, e in zip(counts, step.layout.drafted_depth, step.layout.extended)]

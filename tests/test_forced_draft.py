@@ -1,0 +1,154 @@
+"""Forced spans inside SGLang, the pure parts (sglang/forced_draft.py): SGLang's verify layout read back as a tree,
+widened by forced spans into columns N.., and the accepted path mapped back; no SGLang, no server."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_forced import ID, STOP, VOCAB, grammar, letters, spell
+
+from entmtp_sglang.engine.forced import ForcedSpanConfig, ForcedSpans
+from entmtp_sglang.sglang import forced_draft
+from entmtp_sglang.sglang.forced_draft import (
+    ForcedDraft,
+    SGLangGrammar,
+    accepted_nodes,
+    forced_config_from_env,
+    rank_priority,
+    row_tree,
+    widen,
+)
+from entmtp_sglang.tree import Tree, build_buffers
+
+
+def layout(tree: Tree, tokens: list[int], width: int, seq_len: int = 10):
+    """One row as SGLang's verify holds it: `tree`'s nodes at columns 0..n-1 (padding after), links over the real
+    nodes, positions seq_len + depth, the QLEN_ONLY mask."""
+    n = tree.num_nodes
+    buf = build_buffers(tree)
+    first = torch.full((width,), -1, dtype=torch.long)
+    sibling = torch.full((width,), -1, dtype=torch.long)
+    first[:n], sibling[:n] = buf.retrieve_next_token, buf.retrieve_next_sibling
+    toks = torch.zeros(width, dtype=torch.long)
+    toks[:n] = torch.tensor(tokens)
+    pos = torch.full((width,), seq_len, dtype=torch.long)
+    pos[:n] += torch.tensor(tree.depths)
+    mask = torch.eye(width, dtype=torch.bool)
+    mask[:n, :n] = buf.ancestor_mask.bool()
+    return toks, pos, mask, first, sibling
+
+
+def test_row_tree_reads_the_real_nodes_off_the_links_and_ranks_siblings():
+    #   0 ─ 1 ─ 3        columns 4, 5: padding (unlinked)
+    #    └─ 2
+    tree = Tree((-1, 0, 0, 1))
+    toks, _, _, first, sibling = layout(tree, [5, 6, 7, 8], 6)
+    row = row_tree(toks.tolist(), first.tolist(), sibling.tolist())
+    assert row.tree.parents == (-1, 0, 0, 1) and row.columns == (0, 1, 2, 3)
+    assert row.tokens == (5, 6, 7, 8) and row.ranks == (0, 0, 1, 0)
+    # the top-1 path's leaf (3) first: its path sums to 0, leaf 2's to -1
+    assert rank_priority(row) == [0.0, 0.0, -1.0, 0.0]
+
+
+def test_widen_hangs_spans_in_new_columns_with_their_ancestors_positions_and_links():
+    g = grammar('root ::= "ab" [d-f] "ghiq" [0-9]')
+    spans = ForcedSpans(spell, ForcedSpanConfig(max_tokens=4, max_nodes=4, min_reach=0.0, forced_only=False))
+    #   row 0: 0 ─ 1 (ab) ─ 2 (d)     row 1: 0 (a resting row)
+    trees = [Tree((-1, 0, 1)), Tree((-1,))]
+    rows_in = [layout(trees[0], [0, ID["ab"], ID["d"]], 3), layout(trees[1], [0], 3)]
+    toks, pos, mask, first, sibling = (torch.stack([r[k] for r in rows_in]) for k in range(5))
+    rows = [row_tree(toks[b].tolist(), first[b].tolist(), sibling[b].tolist()) for b in range(2)]
+    assert rows[1].tree.num_nodes == 1 and rows[1].columns == (0,)
+    exts = [spans.extend(r.tree, list(r.tokens), g, 16, rank_priority(r)) for r in rows]
+    assert letters(exts[0].tokens[3:]) == "ghiq" and [VOCAB[t] for t in exts[0].tokens[3:]] == ["ghi", "q"]
+    assert [VOCAB[t] for t in exts[1].tokens[1:]] == ["ab"]   # the span after the root
+    out = widen(toks, pos, mask, first, sibling, rows, exts)
+    assert out.num_nodes == 3 + 2 and out.max_depth == 4 and out.drafted_depth == (2, 0)
+    assert out.columns == ((0, 1, 2, 3, 4), (0, 3))
+    assert out.tokens[0].tolist() == [0, ID["ab"], ID["d"], ID["ghi"], ID["q"]]
+    assert out.tokens[1].tolist()[:1] + out.tokens[1].tolist()[3:4] == [0, ID["ab"]]
+    assert out.positions[0].tolist() == [10, 11, 12, 13, 14] and out.positions[1, 3] == 11
+    assert out.next_token[0].tolist() == [1, 2, 3, 4, -1] and out.next_sibling[0].tolist() == [-1] * 5
+    assert out.next_token[1].tolist() == [3, -1, -1, -1, -1]
+    assert out.real.tolist() == [[True] * 5, [True, False, False, True, False]]
+    # each real node sees exactly its ancestors and itself
+    for b, ext in enumerate(out.extended):
+        cols = out.columns[b]
+        for i in range(ext.tree.num_nodes):
+            seen = {j for j in range(out.num_nodes) if out.mask[b, cols[i], j]}
+            assert seen == {cols[a] for a in ext.tree.path_to(i)}, (b, i)
+    # SGLang's accepted global positions (row * N' + column, -1 padded) back to tree nodes
+    assert accepted_nodes(out.columns[0], [0, 1, 2, 3, -1], 5, 0) == (0, 1, 2, 3)
+    assert accepted_nodes(out.columns[1], [5, 8, -1], 5, 1) == (0, 1)
+
+
+def test_the_sglang_grammar_adapter_spans_as_the_reference_grammar_does():
+    g = grammar('root ::= "abc" [d-f] "ghiq" [0-9] "xy"')
+
+    class Stand:   # SGLang's XGrammarGrammar holds the same xgrammar matcher
+        matcher = g.matcher
+
+    adapter = SGLangGrammar.of(Stand(), len(VOCAB))
+    for path in ([], [ID["ab"], ID["c"], ID["d"]], [ID["ab"], ID["c"], ID["d"], ID["ghi"], ID["q"], ID["7"]]):
+        assert adapter.forced_span(path, spell, 16) == g.forced_span(path, spell, 16)
+    assert letters(adapter.forced_span([ID["ab"], ID["c"], ID["d"], ID["ghi"], ID["q"], ID["7"]], spell, 16)) == "xy|"
+    assert STOP in adapter.forced_span([ID["ab"], ID["c"], ID["d"], ID["ghi"], ID["q"], ID["7"]], spell, 16)
+    assert SGLangGrammar.of(object(), len(VOCAB)) is None   # another grammar backend: no spans
+
+
+def test_policy_feedback_counts_at_most_the_drafted_depth():
+    out = widen(*(torch.zeros((2, 1), dtype=torch.long) for _ in range(2)), torch.ones((2, 1, 1), dtype=torch.bool),
+                torch.full((2, 1), -1), torch.full((2, 1), -1),
+                [row_tree([0], [-1], [-1])] * 2, [None, None])
+    step = forced_draft.ForcedStep(out, None, ("a", "b"), 1)
+    assert ForcedDraft.policy_counts(step, [3, 0]) == [3, 0]   # no spans: as counted
+
+
+def test_the_switch_and_the_cap_come_from_the_environment(monkeypatch):
+    monkeypatch.delenv(forced_draft.ENV_FORCED, raising=False)
+    monkeypatch.delenv(forced_draft.ENV_FORCED_MAX, raising=False)
+    assert forced_config_from_env().max_tokens == 16 and forced_draft.extra_verify_tokens() == 16
+    monkeypatch.setenv(forced_draft.ENV_FORCED_MAX, "6")
+    assert forced_config_from_env().max_nodes == 6
+    monkeypatch.setenv(forced_draft.ENV_FORCED_MAX, "0")
+    with pytest.raises(ValueError, match="ENTMTP_FORCED_MAX_TOKENS"):
+        forced_config_from_env()
+    monkeypatch.setenv(forced_draft.ENV_FORCED, "0")
+    assert forced_config_from_env() is None and forced_draft.extra_verify_tokens() == 0
+
+
+def test_extend_rewrites_sglangs_verify_input_and_counts_what_was_accepted():
+    from types import SimpleNamespace
+
+    g = grammar('root ::= "ab" [d-f] "ghiq" [0-9]')
+
+    class Stand:   # an SGLang grammar object: its xgrammar matcher, after the tree's root
+        matcher = g.matcher
+
+    spans = ForcedSpans(spell, ForcedSpanConfig(max_tokens=4, max_nodes=4, min_reach=0.0, forced_only=False))
+    draft = ForcedDraft(spans, len(VOCAB))
+    # row 0: 0 ─ 1 (ab) ─ 2 (d), constrained; row 1: 0 ─ 1 (x), unconstrained
+    rows_in = [layout(Tree((-1, 0, 1)), [0, ID["ab"], ID["d"]], 3), layout(Tree((-1, 0)), [0, ID["x"]], 3)]
+    toks, pos, mask, first, sibling = (torch.stack([r[k] for r in rows_in]) for k in range(5))
+    spec = SimpleNamespace(draft_token=toks.flatten(), positions=pos.flatten(), custom_mask=mask.flatten(),
+                           retrieve_index=torch.arange(6).view(2, 3), retrieve_next_token=first,
+                           retrieve_next_sibling=sibling, draft_token_num=3, spec_steps=2, num_tokens_per_req=3,
+                           num_tokens_for_logprob_per_req=3, prepared_out_cache_loc=None, kv_loc_plan=None)
+    reqs = [SimpleNamespace(rid="a", sampling_params=SimpleNamespace(max_new_tokens=32), output_ids=[]),
+            SimpleNamespace(rid="b", sampling_params=SimpleNamespace(max_new_tokens=32), output_ids=[])]
+    assert draft.extend(spec, None, reqs, {}, [100, 100]) is None and spec.draft_token_num == 3   # untouched
+    assert draft.extend(spec, None, reqs, {0: Stand()}, [3, 100]) is None   # no KV room for N + max_nodes
+    step = draft.extend(spec, None, reqs, {0: Stand()}, [100, 100])
+    assert step is not None and step.base_width == 3
+    assert spec.draft_token_num == spec.num_tokens_per_req == 5 and spec.spec_steps == 4
+    assert spec.draft_token.view(2, 5)[0].tolist() == [0, ID["ab"], ID["d"], ID["ghi"], ID["q"]]
+    assert spec.retrieve_index.tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert spec.retrieve_next_token.tolist() == [[1, 2, 3, 4, -1], [1, -1, -1, -1, -1]]
+    assert spec.custom_mask.numel() == 2 * 5 * 5 and spec.positions.view(2, 5)[0, 4] == 14
+    assert step.ragged.counts == (5, 2) and step.ragged.index.tolist() == [0, 1, 2, 3, 4, 5, 6]
+    # the target took ab, d, ghi, then not q: the span rejected part-way
+    counted = draft.verified(step, reqs, torch.tensor([[0, 1, 2, 3, -1], [5, 6, -1, -1, -1]]))
+    assert counted == [(2, 1), (0, 0)]
+    s = draft.stats["a"]
+    assert (s.spans, s.nodes, s.reached, s.tried, s.accepted) == (1, 2, 1, 2, 1)
+    assert ForcedDraft.policy_counts(step, [3, 1]) == [2, 1]   # the feedback: at most the drafted depth
