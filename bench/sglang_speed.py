@@ -69,9 +69,12 @@ EAGLE_SGLANG_LAYERS = tuple(sglang_layers(s) for s in (ADAPTIVE, *EAGLE_GRID))
 # ENTMTP as it was before each request drafted its own tree: one tree for the whole batch (an ablation; not run
 # unless named)
 ENTMTP_ONE_TREE = SystemSpec("entmtp-one-tree", "ENTMTP", env=(("ENTMTP_PER_ROW_TREES", "0"),))
+# each request its own tree, but every row of a speculating step verifies the step's node count (no ragged verify,
+# no resting rows inside a speculating step): an ablation, not run unless named
+ENTMTP_NO_RAGGED = SystemSpec("entmtp-no-ragged", "ENTMTP", env=(("ENTMTP_RAGGED", "0"),))
 # stock and plain in every wave; ENTMTP's wave first, beside adaptive
 SYSTEMS = (STOCK, PLAIN, ENTMTP, *EAGLE_SGLANG_LAYERS)
-OPTIONAL = (ENTMTP_ONE_TREE,)
+OPTIONAL = (ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED)
 EVERY_WAVE = (STOCK.name, PLAIN.name)
 DEFAULT = tuple(s.name for s in SYSTEMS)
 AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB
