@@ -2,7 +2,9 @@
 request verifies its own number of tokens, down to a resting row (its root alone) inside a speculating step, the
 target running only the real tokens; greedy output stays plain decoding's token for token for a mixed batch of
 four (and, marked slow, eight) at once (JSON under a schema, a tool call, code, chat), and a penalised request rests
-as a row beside drafting ones instead of making its whole batch rest.
+as a row beside drafting ones instead of making its whole batch rest. Requests joining and leaving mid-run (the
+batch changing size from step to step) and a request whose prefix comes from SGLang's radix cache, beside other
+requests, give plain decoding's output too.
 
 SGLang is imported only when the servers start (not at collection)."""
 
@@ -10,6 +12,8 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import json
+import time
+import uuid
 
 import pytest
 from helpers.testing import import_sglang_or_skip, plain_and_entmtp, started
@@ -37,13 +41,25 @@ def _run(plain, ent, jobs):
     reference = [plain.post("/generate", j)["output_ids"] for j in jobs]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         outs = list(pool.map(lambda j: ent.post("/generate", j), jobs))
+    _equal(outs, reference)
+    return outs, _steps(ent, {o["meta_info"]["id"] for o in outs})
+
+
+def _equal(outs, reference):
     wrong = [k for k, (o, r) in enumerate(zip(outs, reference)) if o["output_ids"] != r]
     assert not wrong, [(k, outs[k]["output_ids"], reference[k]) for k in wrong]
-    rids = {o["meta_info"]["id"] for o in outs}
+
+
+def _steps(ent, rids) -> list[dict]:
+    """The trace's decode steps (in order) in which any of `rids` took part."""
     trace = ent.log_path.parent / "trace"
-    steps = [s for f in trace.glob("trees-*.jsonl") for s in map(json.loads, f.read_text().splitlines())
-             if set(s["rids"]) & rids]
-    return outs, steps
+    return [s for f in trace.glob("trees-*.jsonl") for s in map(json.loads, f.read_text().splitlines())
+            if set(s["rids"]) & rids]
+
+
+def _short(job: dict, max_new_tokens: int, rid: str | None = None) -> dict:
+    out = {**job, "sampling_params": {**job["sampling_params"], "max_new_tokens": max_new_tokens}}
+    return {**out, "rid": rid} if rid else out
 
 
 def _ragged_steps(steps):
@@ -84,4 +100,76 @@ def test_a_penalised_request_rests_beside_drafting_ones_and_equals_plain(servers
     beside = [s for s in mine if s["state"] is not None]   # speculating steps it rested in
     assert beside, [(s["trees"], s.get("nodes")) for s in mine]
     assert all(s["nodes"][s["rids"].index(rid)] == 1 for s in beside)
+    assert "Traceback" not in ent.log_text(), ent.log_tail()
+
+
+def test_requests_joining_and_leaving_mid_run_equal_plain(servers):
+    """A stream of six requests of different lengths: three start together; the other three are sent once the
+    trace shows the first three decoding, so they join a running batch; the short ones leave while the rest
+    decode on. The batch changes size from step to step, every row keeps its own tree and node count."""
+    plain, ent = servers
+    tag = uuid.uuid4().hex[:8]
+    every = _jobs(8)   # JSON, tool call, code, chat; twice
+    first = [(0, 24), (2, 8), (3, 20)]         # (job, max_new_tokens): the code request leaves early
+    second = [(1, 16), (4, 24), (7, 12)]
+    jobs = {f"{tag}-{k}": _short(every[k], n, f"{tag}-{k}") for k, n in first + second}
+    reference = {rid: plain.post("/generate", {k: v for k, v in j.items() if k != "rid"})["output_ids"]
+                 for rid, j in jobs.items()}
+    firsts = [f"{tag}-{k}" for k, _ in first]
+    with cf.ThreadPoolExecutor(len(jobs)) as pool:
+        running = {rid: pool.submit(ent.post, "/generate", jobs[rid]) for rid in firsts}
+        trace = ent.log_path.parent / "trace"
+        deadline = time.monotonic() + 300
+        while not any(rid in f.read_text() for f in trace.glob("trees-*.jsonl") for rid in firsts):
+            assert time.monotonic() < deadline and not any(f.done() for f in running.values()), "no step traced"
+            time.sleep(0.02)
+        running |= {f"{tag}-{k}": pool.submit(ent.post, "/generate", jobs[f"{tag}-{k}"]) for k, _ in second}
+        outs = {rid: f.result() for rid, f in running.items()}
+    _equal([outs[r] for r in jobs], [reference[r] for r in jobs])
+
+    steps = _steps(ent, set(jobs))
+    sizes = [len(s["rids"]) for s in steps]
+    print(f"{len(steps)} steps, batch size per step {sizes}")
+    seen: set = set()
+    joined = []     # requests whose first decode step ran beside a request that had decoded before
+    for s in steps:
+        joined += [r for r in s["rids"] if r not in seen and set(s["rids"]) & seen]
+        seen |= set(s["rids"])
+    assert set(joined) - set(firsts), (joined, sizes)
+    early = f"{tag}-2"    # the code request, 8 tokens: it left while others decoded on
+    last = max(i for i, s in enumerate(steps) if early in s["rids"])
+    assert last < len(steps) - 1, sizes
+    assert len(set(sizes)) >= 3, sizes     # grew with the joiners and shrank as requests left
+    assert all("nodes" in s and len(s["nodes"]) == len(s["rids"]) for s in steps if s["state"] is not None)
+    assert any(len(set(s["trees"])) > 1 for s in steps), [s["trees"] for s in steps]
+    assert "Traceback" not in ent.log_text(), ent.log_tail()
+
+
+def test_a_radix_cache_hit_beside_other_requests_equals_plain(servers):
+    """The same long prefix twice, each time with two other requests in flight: the second time its prefill
+    comes from SGLang's radix cache (`cached_tokens`), and it decodes in a batch beside the others."""
+    from entmtp_sglang.tasks import load_prompts
+
+    plain, ent = servers
+    # a prefix of some 400 tokens, text no other test here sends
+    prefix = "\n\n".join(it["prompt"] for task in ("prose", "math") for it in load_prompts(task, "test", 3))
+    asks = ("\nIn one sentence, the text above says", "\nThe main point of the text above is")
+    every = _jobs(8)
+    rounds = [[{"text": prefix + asks[0], "sampling_params": {"temperature": 0, "max_new_tokens": 20}},
+               _short(every[1], 16), _short(every[2], 20)],
+              [{"text": prefix + asks[1], "sampling_params": {"temperature": 0, "max_new_tokens": 20}},
+               _short(every[5], 16), _short(every[7], 20)]]
+    got = []
+    for jobs in rounds:
+        reference = [plain.post("/generate", j)["output_ids"] for j in jobs]
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            outs = list(pool.map(lambda j: ent.post("/generate", j), jobs))
+        _equal(outs, reference)
+        got.append(outs[0]["meta_info"])
+    (once, twice) = got
+    print(f"prefix request: {once['prompt_tokens']} prompt tokens, cached {once['cached_tokens']} the first "
+          f"time, {twice['cached_tokens']} the second")
+    assert twice["cached_tokens"] > once["cached_tokens"] and twice["cached_tokens"] >= once["prompt_tokens"] // 2
+    steps = _steps(ent, {twice["id"]})
+    assert steps and any(len(s["rids"]) > 1 for s in steps), [s["rids"] for s in steps]
     assert "Traceback" not in ent.log_text(), ent.log_tail()
