@@ -3,6 +3,8 @@ widened by forced spans into columns N.., and the accepted path mapped back; no 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from test_forced import ID, STOP, VOCAB, grammar, letters, spell
@@ -108,6 +110,8 @@ def test_the_switch_and_the_cap_come_from_the_environment(monkeypatch):
     monkeypatch.delenv(forced_draft.ENV_FORCED, raising=False)
     monkeypatch.delenv(forced_draft.ENV_FORCED_MAX, raising=False)
     assert forced_config_from_env().max_tokens == 16 and forced_draft.extra_verify_tokens() == 16
+    # only the drafter's top-1 path reaches the floor: a lower-ranked turn (-1) does not
+    assert forced_config_from_env().min_reach == forced_draft.TOP1_REACH and -1.0 < math.log(forced_draft.TOP1_REACH)
     monkeypatch.setenv(forced_draft.ENV_FORCED_MAX, "6")
     assert forced_config_from_env().max_nodes == 6
     monkeypatch.setenv(forced_draft.ENV_FORCED_MAX, "0")
@@ -152,3 +156,18 @@ def test_extend_rewrites_sglangs_verify_input_and_counts_what_was_accepted():
     s = draft.stats["a"]
     assert (s.spans, s.nodes, s.reached, s.tried, s.accepted) == (1, 2, 1, 2, 1)
     assert ForcedDraft.policy_counts(step, [3, 1]) == [2, 1]   # the feedback: at most the drafted depth
+
+
+def test_only_the_drafters_top1_path_takes_a_span(monkeypatch):
+    monkeypatch.delenv(forced_draft.ENV_FORCED, raising=False)
+    monkeypatch.delenv(forced_draft.ENV_FORCED_MAX, raising=False)
+    g = grammar('root ::= "ab" [d-f] "ghiq" [0-9]')
+    #   0 ─ 1 (ab)     top-1: the grammar decides nothing after it (d, e or f)
+    #    └─ 2 (a)      rank 1: "b" is forced after it
+    toks, _, _, first, sibling = layout(Tree((-1, 0, 0)), [0, ID["ab"], ID["a"]], 3)
+    row = row_tree(toks.tolist(), first.tolist(), sibling.tolist())
+    everywhere = ForcedSpans(spell, ForcedSpanConfig(max_tokens=4, max_nodes=4, min_reach=0.0, forced_only=False))
+    assert [VOCAB[t] for t in everywhere.extend(row.tree, list(row.tokens), g, 16, rank_priority(row)).tokens[3:]] \
+        == ["b"]
+    top1 = ForcedSpans(spell, forced_config_from_env())
+    assert top1.extend(row.tree, list(row.tokens), g, 16, rank_priority(row)).spans == ()

@@ -221,7 +221,10 @@ class EntMtpSpecAlgo(CustomSpecAlgo):
         return draft_is_eagle3(_served_draft_model_path())
 
     def resolve_max_speculative_num_draft_tokens(self, server_args):
-        return EntMtpConfig.from_server_args(server_args).load_tree_set().max_nodes
+        """The largest tree of the set, plus the forced span a request may verify below it (forced_draft.py)."""
+        from .forced_draft import extra_verify_tokens
+
+        return EntMtpConfig.from_server_args(server_args).load_tree_set().max_nodes + extra_verify_tokens()
 
 
 def _delegate(name):

@@ -18,10 +18,11 @@ and grammar walks verify it against the target's argmax under the grammar's mask
 even where the model spells the text otherwise (the span is rejected from that token on). The draft extend after
 verification runs over the accepted tokens, forced ones included, so the drafter stays caught up.
 
-Leaves are served in order of their drafter ranks (the top-1 path first: `rank_priority`), and a leaf gets no
-span deeper than the request's room (context and max_new_tokens). The policy's acceptance feedback counts at most
-the drafted tree's depth (`policy_counts`), as the reference engine's does; each request's `meta_info` gets
-`entmtp_forced`: per decode step [forced tokens verified, of them accepted].
+Only the leaf of the drafter's top-1 path takes a span (`rank_priority` with the reach floor `TOP1_REACH`: a span
+below a lower-ranked draft is verified for nothing unless the target took that draft; the reference engine found
+fewer, likelier spans faster too), no deeper than the request's room (context and max_new_tokens). The policy's
+acceptance feedback counts at most the drafted tree's depth (`policy_counts`), as the reference engine's does; each
+request's `meta_info` gets `entmtp_forced`: per decode step [forced tokens verified, of them accepted].
 
 No SGLang import: SGLang's objects (grammar, verify input, verify result) are read through their attributes.
 """
@@ -44,6 +45,7 @@ logger = logging.getLogger("entmtp_sglang.sglang")
 ENV_FORCED = "ENTMTP_FORCED_SPANS"              # "0": no forced spans inside SGLang
 ENV_FORCED_MAX = "ENTMTP_FORCED_MAX_TOKENS"     # forced tokens per request and step (default 16)
 DEFAULT_MAX_TOKENS = 16
+TOP1_REACH = 0.5   # the reach floor (forced_spans.ForcedSpanConfig.min_reach) over `rank_priority`: the top-1 path only
 
 
 def forced_config_from_env() -> ForcedSpanConfig | None:
@@ -58,7 +60,9 @@ def forced_config_from_env() -> ForcedSpanConfig | None:
         raise ValueError(f"{ENV_FORCED_MAX} must be an integer, got {raw!r}") from None
     if n < 1:
         raise ValueError(f"{ENV_FORCED_MAX} must be >= 1, got {n}")
-    return ForcedSpanConfig(max_tokens=n, max_nodes=n, min_reach=0.0, forced_only=False)
+    # one span per request: below the leaf of the drafter's top-1 path (`rank_priority` scores it 0, a path with a
+    # lower-ranked turn -1, below the reach floor log 0.5); a resting row's root is that leaf
+    return ForcedSpanConfig(max_tokens=n, max_nodes=n, min_reach=TOP1_REACH, forced_only=False)
 
 
 def extra_verify_tokens() -> int:

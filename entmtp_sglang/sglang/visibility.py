@@ -1,17 +1,20 @@
 """Per-request ENTMTP metadata in SGLang's `meta_info`: the tree drafted at each step and the drafts accepted.
 
 SGLang lets a plugin add per-request response fields by choosing a `SchedulerOutputStreamer` subclass
-(`Scheduler.get_output_streamer_class`, hooked by the plugin). The worker appends to two per-request lists
+(`Scheduler.get_output_streamer_class`, hooked by the plugin). The worker appends to per-request lists
 as it goes; each output chunk drains them, and SGLang's tokenizer manager concatenates the chunks into
-`meta_info["entmtp_trees"]` (one tree name per decode step) and `meta_info["entmtp_accepted"]` (accepted
-drafts per step, bonus token excluded). Servers running other algorithms are left untouched.
+`meta_info["entmtp_trees"]` (one tree name per decode step), `meta_info["entmtp_accepted"]` (accepted
+drafts per step, bonus token excluded, forced tokens included) and `meta_info["entmtp_forced"]` (per verified
+step with forced spans: [forced tokens verified, of them accepted]). Servers running other algorithms are left
+untouched.
 """
 
 from __future__ import annotations
 
 TREES = "entmtp_trees"
 ACCEPTED = "entmtp_accepted"
-_PENDING = {TREES: "_entmtp_pending_trees", ACCEPTED: "_entmtp_pending_accepted"}
+FORCED = "entmtp_forced"   # per step with forced spans: [forced tokens verified, of them accepted] (forced_draft.py)
+_PENDING = {TREES: "_entmtp_pending_trees", ACCEPTED: "_entmtp_pending_accepted", FORCED: "_entmtp_pending_forced"}
 
 
 def note(req, key: str, value) -> None:
@@ -45,7 +48,7 @@ def streamer_class(base: type) -> type:
             return getattr(self.spec_algorithm, "name", None) == "ENTMTP"
 
         def build_additional_customized_info(self, reqs):
-            return {key: [drain(r, key) for r in reqs] for key in (TREES, ACCEPTED)}
+            return {key: [drain(r, key) for r in reqs] for key in (TREES, ACCEPTED, FORCED)}
 
     _CACHE[base] = EntMtpOutputStreamer
     return EntMtpOutputStreamer

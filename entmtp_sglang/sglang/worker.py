@@ -53,6 +53,7 @@ from . import grammar_draft, observe, visibility
 from .attention import NAME as ATTENTION_NAME
 from .attention import RAGGED_ATTR, MultiStepDraftBackend, TorchTreeAttnBackend
 from .config import ENV_PROFILE, ENV_TREE_TRACE, EntMtpConfig, pin_of
+from .forced_draft import ForcedDraft, ForcedStep
 from .ragged import RaggedVerify, packed_index, scatter_rows
 from .recording import StepObserver
 from .sglang_api import (
@@ -133,6 +134,11 @@ class EntMtpWorker(EAGLEWorkerV2):
                         for key in sorted(self.shape_index, key=lambda k: (k[1], k[0]))} if self.ragged else {}
         self._shape_tree = {(t.max_depth, t.num_nodes): i for i, t in reversed(list(enumerate(trees)))}
         self._ragged_step: RaggedVerify | None = None   # this step's ragged verify (None: every row N nodes)
+        # forced spans (forced_draft.py; ENTMTP_FORCED_SPANS): the grammar's text below constrained rows' leaves
+        self.forced = ForcedDraft.for_worker(server_args.tokenizer_path or server_args.model_path,
+                                             target_worker.model_config.vocab_size, self.ragged, self.topk)
+        self._forced_step: ForcedStep | None = None     # this step's spans, until SGLang reports its acceptance
+        self._forced_width: int | None = None           # the width the step's forced spans widened (restored after)
         self._row_real: list[int] = []                  # this step's real node count of each row
         self._rows: RowIndex | None = None         # this step's per-row draft indices (None: one tree)
         self._row_plans: list[TreePlan] = []       # this step's tree of each row, laid out on the step's levels
@@ -239,6 +245,9 @@ class EntMtpWorker(EAGLEWorkerV2):
                                    for s in self.shape_states.states.values()):
             logger.info("ENTMTP: ragged verify off: a runtime state's target backend is not entmtp_torch")
             self.ragged, self._shapes = False, {}
+            if self.forced is not None:
+                logger.info("ENTMTP: forced spans off (ragged verify is off)")
+                self.forced = None
             self.shape_index = ShapeIndex.for_trees([t.tree for t in self.tree_set.trees], self.topk,
                                                     runner.device) if self.config.per_row else {}
         logger.info("ENTMTP: %d runtime states for the %d trees of the set (%s)", len(self.shape_states),
@@ -294,7 +303,12 @@ class EntMtpWorker(EAGLEWorkerV2):
                 self._choose(batch)
         self._last_extend = None
         start = time.perf_counter()
-        out = super().forward_batch_generation(batch, *args, **kwargs)
+        try:
+            out = super().forward_batch_generation(batch, *args, **kwargs)
+        finally:
+            if self._forced_width is not None:   # the verify and draft extend ran N' wide: back to the state's N
+                self._set_verify_width(self._forced_width)
+                self._forced_width = None
         if decode and not batch.forward_mode.is_idle():
             seconds = time.perf_counter() - start
             if self.observer is not None:
@@ -444,6 +458,9 @@ class EntMtpWorker(EAGLEWorkerV2):
         """SGLang's verify; on a resting step as a one-node chain (topk 1): the accepted path is the root, already
         where SGLang's tree compaction would move it, so the KV, token and hidden-state compaction is skipped."""
         if not self._resting:
+            self._forced_step = None
+            if self.forced is not None and self.speculative_num_steps > 0 and len(self._step_reqs) == len(batch.reqs):
+                self._forced_spans(batch)
             rs = self._ragged_step
             if rs is not None:   # padding nodes unlinked: SGLang's acceptance and grammar walks never visit them
                 spec = batch.spec_info
@@ -452,12 +469,37 @@ class EntMtpWorker(EAGLEWorkerV2):
                                        f"verify has {tuple(spec.retrieve_next_token.shape)}")
                 spec.retrieve_next_token = rs.next_token.to(spec.retrieve_next_token.dtype)
                 spec.retrieve_next_sibling = rs.next_sibling.to(spec.retrieve_next_sibling.dtype)
-            return super().verify(batch, *args, **kwargs)
+            out = super().verify(batch, *args, **kwargs)
+            if self._forced_step is not None:
+                counted = self.forced.verified(self._forced_step, batch.reqs, getattr(out, "accept_index", None))
+                for r, pair in zip(batch.reqs, counted):
+                    visibility.note(r, visibility.FORCED, list(pair))
+            return out
         topk, self.topk = self.topk, 1
         try:
             return super().verify(batch, *args, **kwargs)
         finally:
             self.topk = topk
+
+    def _forced_spans(self, batch) -> None:
+        """Forced spans (forced_draft.py) into this step's verify input: each constrained row that may take tokens
+        beyond one per step gets the grammar's text below its leaves; the step then verifies raggedly, N' wide."""
+        reqs = batch.reqs
+        grammars = {} if getattr(batch, "enable_overlap", True) else {
+            i: g for i, r in enumerate(reqs)
+            if not self._never_drafts(r) and not needs_plain_decoding([r])
+            and (g := grammar_draft.live_grammar(r)) is not None}
+        step = self.forced.extend(batch.spec_info, self._ragged_step, reqs, grammars, [self._room(r) for r in reqs])
+        if step is not None:
+            self._forced_step, self._ragged_step, self._forced_width = step, step.ragged, step.base_width
+            self._set_verify_width(step.layout.num_nodes)
+
+    def _set_verify_width(self, n: int) -> None:
+        """Tokens verified per row (SGLang's `speculative_num_draft_tokens`, read by its verify and draft extend)."""
+        dw = self._draft_worker
+        self.speculative_num_draft_tokens = dw.speculative_num_draft_tokens = n
+        get_context().override("entmtp.tree", speculative_num_draft_tokens=n,
+                               speculative_num_steps=self.speculative_num_steps)
 
     def _target_forward_or_decode(self, forward_batch, *args, **kwargs):
         """On a resting step the target's one-token verify runs as the plain decode forward it is (SGLang's
@@ -635,10 +677,13 @@ class EntMtpWorker(EAGLEWorkerV2):
     def on_verify_complete_cpu(self, num_correct_drafts_per_req, batch_size: int = 0) -> None:
         super().on_verify_complete_cpu(num_correct_drafts_per_req, batch_size)
         reqs, self._step_reqs = self._step_reqs, []
+        forced, self._forced_step = self._forced_step, None
         if len(reqs) == len(num_correct_drafts_per_req):
-            for r, n in zip(reqs, num_correct_drafts_per_req):
-                visibility.note(r, visibility.ACCEPTED, int(n))
-                self.controller.record(r.rid, int(n))   # acceptance feedback: realized vs expected
+            counts = [int(n) for n in num_correct_drafts_per_req]
+            fed = ForcedDraft.policy_counts(forced, counts) if forced is not None else counts
+            for r, n, m in zip(reqs, counts, fed):
+                visibility.note(r, visibility.ACCEPTED, n)
+                self.controller.record(r.rid, m)   # acceptance feedback: realized vs expected (drafted depth)
 
     def _record_signals(self, batch) -> None:
         out = self._last_extend
