@@ -104,14 +104,15 @@ class Extended:
         return self.tree.num_nodes - self.num_drafted
 
 
-def extend_tree(tree: Tree, tokens: list[int], spans: dict[int, list[int]]) -> Extended:
-    """`tree` with a chain of `spans[leaf]` below each leaf named, appended in leaf order."""
+def extend_tree(tree: Tree, tokens: list[int], spans: dict[int, list[int]], inner: bool = False) -> Extended:
+    """`tree` with a chain of `spans[leaf]` below each leaf named, appended in leaf order. `inner`: a named node may
+    have children too (the chain is then its last child)."""
     parents, toks, out = list(tree.parents), list(tokens[: tree.num_nodes]), []
     for leaf in sorted(spans):
         chain = spans[leaf]
         if not chain:
             continue
-        if tree.children[leaf]:
+        if tree.children[leaf] and not inner:
             raise ValueError(f"node {leaf} has children: forced spans hang below leaves only")
         out.append(Span(leaf, len(parents), tuple(chain)))
         for k, t in enumerate(chain):

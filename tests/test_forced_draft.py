@@ -171,3 +171,29 @@ def test_only_the_drafters_top1_path_takes_a_span(monkeypatch):
         == ["b"]
     top1 = ForcedSpans(spell, forced_config_from_env())
     assert top1.extend(row.tree, list(row.tokens), g, 16, rank_priority(row)).spans == ()
+
+
+def test_the_span_after_the_root_hangs_where_the_draft_parts_from_it(monkeypatch):
+    monkeypatch.delenv(forced_draft.ENV_FORCED, raising=False)
+    monkeypatch.delenv(forced_draft.ENV_FORCED_MAX, raising=False)
+    g = grammar('root ::= "abc" [d-f]')   # the tokenizer spells "abc" as ab, c
+    spans = ForcedSpans(spell, forced_config_from_env())
+    #   0 ─ 1 (a) ─ 2 (b)      the top-1 path spells "ab" otherwise: its leaf's span is "c"
+    #    └─ 3 (x)              no drafted child holds "ab": the span after the root hangs below the root
+    tree = Tree((-1, 0, 1, 0))
+    toks, pos, mask, first, sibling = layout(tree, [0, ID["a"], ID["b"], ID["x"]], 4)
+    row = row_tree(toks.tolist(), first.tolist(), sibling.tolist())
+    ext = forced_draft.with_root_span(spans, row, spans.extend(row.tree, list(row.tokens), g, 16, rank_priority(row)),
+                                      g, 16)
+    assert ext.tree.parents == (-1, 0, 1, 0, 0, 4, 2) and ext.num_drafted == 4
+    assert [VOCAB[t] for t in ext.tokens[4:]] == ["ab", "c", "c"]
+    out = widen(toks[None], pos[None], mask[None], first[None], sibling[None], [row], [ext])
+    # the root's children in rank order 1, 3, then the span (column 4); siblings ascending, as SGLang lists them
+    assert out.next_token[0].tolist() == [1, 2, 6, -1, 5, -1, -1]
+    assert out.next_sibling[0].tolist() == [-1, 3, -1, 4, -1, -1, -1]
+    assert out.positions[0].tolist() == [10, 11, 12, 11, 11, 12, 13]
+    # the top-1 path spelled as the tokenizer does: its leaf's span is the same text, nothing more is hung
+    toks, _, _, first, sibling = layout(Tree((-1, 0, 1)), [0, ID["ab"], ID["c"]], 3)
+    row = row_tree(toks.tolist(), first.tolist(), sibling.tolist())
+    base = spans.extend(row.tree, list(row.tokens), g, 16, rank_priority(row))
+    assert forced_draft.with_root_span(spans, row, base, g, 16) is base

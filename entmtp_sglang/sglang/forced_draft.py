@@ -18,9 +18,11 @@ and grammar walks verify it against the target's argmax under the grammar's mask
 even where the model spells the text otherwise (the span is rejected from that token on). The draft extend after
 verification runs over the accepted tokens, forced ones included, so the drafter stays caught up.
 
-Only the leaf of the drafter's top-1 path takes a span (`rank_priority` with the reach floor `TOP1_REACH`: a span
-below a lower-ranked draft is verified for nothing unless the target took that draft; the reference engine found
-fewer, likelier spans faster too), no deeper than the request's room (context and max_new_tokens). The policy's
+Two spans at most per request: below the leaf of the drafter's top-1 path (`rank_priority` with the reach floor
+`TOP1_REACH`: a span below a lower-ranked draft is verified for nothing unless the target took that draft; the
+reference engine found fewer, likelier spans faster too), and the span right after the root where the draft parts
+from the tokenizer's spelling of it (`with_root_span`), no deeper than the request's room (context and
+max_new_tokens). The policy's
 acceptance feedback counts at most the drafted tree's depth (`policy_counts`), as the reference engine's does; each
 request's `meta_info` gets `entmtp_forced`: per decode step [forced tokens verified, of them accepted].
 
@@ -35,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..forced_spans import Extended, ForcedSpanConfig, ForcedSpans, ForcedStats
+from ..forced_spans import Extended, ForcedSpanConfig, ForcedSpans, ForcedStats, extend_tree
 from ..grammar import jump_forward_span
 from ..tree import Tree
 from .ragged import RaggedVerify, packed_index
@@ -125,6 +127,42 @@ def rank_priority(row: RowTree) -> list[float]:
     return [-float(r) for r in row.ranks]
 
 
+def top1_leaf(tree: Tree) -> int:
+    """The leaf of the drafter's top-1 path (first children from the root: SGLang lists siblings by rank)."""
+    node = 0
+    while tree.children[node]:
+        node = tree.children[node][0]
+    return node
+
+
+def with_root_span(spans: ForcedSpans, row: RowTree, ext: Extended, grammar, room: int) -> Extended:
+    """`ext` (the row's tree with its top-1 leaf's span) and the span right after the root, where the draft parts from
+    it: followed down the drafted tree while a drafted child holds its next token, the rest hung below the node where
+    no child does, unless that is the top-1 path's leaf (its own span is the same text) or the draft holds it all:
+
+        0 ─ 1 ─ 3 ─ f f f     the top-1 path, spelled otherwise than the tokenizer: its own span
+         └─ 2 ─ r r r r       2 is the span's first token, 4 would be its second: the rest below 2
+
+    Within the config's max_nodes per request, after the top-1 leaf's span."""
+    tree = row.tree
+    budget = spans.config.max_nodes - ext.num_forced
+    if budget <= 0:
+        return ext
+    span = spans.root_span(grammar, min(room, budget))
+    node, i = 0, 0
+    while i < len(span):
+        kid = next((c for c in tree.children[node] if row.tokens[c] == span[i]), None)
+        if kid is None:
+            break
+        node, i = kid, i + 1
+    rest = span[i: i + max(0, room - tree.depths[node])]
+    if not rest or node == top1_leaf(tree):
+        return ext
+    chains = {sp.leaf: list(sp.tokens) for sp in ext.spans}
+    chains[node] = rest
+    return extend_tree(tree, list(row.tokens), chains, inner=True)
+
+
 @dataclass(frozen=True)
 class ForcedLayout:
     """A step's verify layout with forced spans: (bs, N') tensors as SGLang's verify input holds them, flattened
@@ -183,9 +221,12 @@ def widen(tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, nex
             out_mask[b, c] = out_mask[b, p]
             out_mask[b, c, c] = True
             real[b, c] = True
-            kids = tree.children[tree.parents[node]]   # a span hangs below a leaf: its chain is an only child
-            if kids[0] == node:
+            kids = tree.children[tree.parents[node]]   # a chain's node is its parent's last child
+            k = kids.index(node)
+            if k == 0:
                 first[b, p] = c
+            else:   # below an inner node (the span after the root, where the draft parted from it)
+                sibling[b, cols[kids[k - 1]]] = c
     return ForcedLayout(width, max_depth, out_tokens, out_pos, out_mask, first, sibling, real, tuple(extended),
                         tuple(columns), tuple(depths))
 
@@ -272,6 +313,7 @@ class ForcedDraft:
             row = rows[b]
             try:
                 ext = self.spans.extend(row.tree, list(row.tokens), grammar, room, rank_priority(row))
+                ext = with_root_span(self.spans, row, ext, grammar, room)
             except Exception:   # drafting must never fail a request: no span for it this step
                 logger.exception("ENTMTP: forced span failed for %s; none this step", reqs[b].rid)
                 continue

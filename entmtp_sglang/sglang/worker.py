@@ -29,6 +29,11 @@ target's verify forward runs the real tokens only (`_ragged_forward`). A resting
 extend with the rest, so it needs no catch-up; a penalised request rests as such a row (SGLang applies penalties to
 each row's root as plain decoding does, one token per step); a step where every row rests keeps the resting path.
 
+With ragged verify, forced spans (forced_draft.py; on unless `ENTMTP_FORCED_SPANS=0`, logged at start-up): after the
+draft, `verify` hangs into a constrained row's tree the text its grammar decides (`_forced_spans`), in extra columns
+of the step's verify (N' wide for the verify and the draft extend, back to N after the step); the policy's feedback
+counts at most the drafted depth.
+
 Decisions depend only on logits and accepted counts, which are identical on every tensor-parallel rank,
 and on the batch size, so every rank picks the same trees (online calibration, below, refits step costs from
 timed steps only in a single-rank server: wall times differ between ranks).
