@@ -373,7 +373,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             h = sum(known) / len(known) if known else unknown
             if ragged:   # each request its own tree and node count, inside one shape
                 key, ids = self.controller.choose_ragged(inputs, self._shapes, len(reqs))
-                idx = None if all(i == self._rest_tree for i in ids) else self._shape_tree[key]
+                # every row at chain:0: the step is chain:0's (a resting step, named so), as without ragged verify
+                idx = self._rest_tree if all(i == self._rest_tree for i in ids) else self._shape_tree[key]
             elif self.shape_index and self.observer is None:   # each request its own tree at a shared shape
                 ids = self.controller.choose_rows(inputs, len(reqs))
                 idx = None if ids is None else max(ids, key=lambda i: self.plans[i].num_steps)  # sets the shape
