@@ -177,6 +177,12 @@ class TreeController:
         cost = shared_shape_cost([t.tree for t in trees], lambda i, b: trees[i].cost(b))
         alloc = allocate_shared(options, lambda total, depth, b: cost(total // b * batch, depth, batch),
                                 budget_config(self))
+        return self._take(requests, alloc, group)
+
+    def _take(self, requests: Sequence[RequestInput], alloc, group: Hashable) -> tuple[int, ...]:
+        """Per-request tree ids of an allocation, kept as each request's current tree with its pending feedback,
+        and the group's rest scheduled when every row rests."""
+        trees = self.tree_set.trees
         ids = tuple(int(i) for i in alloc.trees)
         for r, i in zip(requests, ids):
             self.current[r.key] = i
@@ -196,7 +202,6 @@ class TreeController:
 
         if not requests:
             raise ValueError("choose_ragged needs at least one request")
-        trees = self.tree_set.trees
         self.pinned(requests)   # UnknownTreeError for a pin the set lacks
         options = request_options(self, requests, {r.key: self.current[r.key] for r in requests
                                                    if r.key in self.current})
@@ -207,13 +212,7 @@ class TreeController:
         line, measured = cached[2], cached[3]
         key, alloc = allocate_ragged(options, shapes, lambda total, depth, b: line(total * measured / b, depth,
                                                                                     measured), budget_config(self))
-        ids = tuple(int(i) for i in alloc.trees)
-        for r, i in zip(requests, ids):
-            self.current[r.key] = i
-            st = self.requests.setdefault(r.key, _Feedback())
-            st.pending = self.expected(r)[i] if trees[i].tree.max_depth > 0 else None
-        self._schedule_rest(group, alloc.all_rest)
-        return key, ids
+        return key, self._take(requests, alloc, group)
 
     def _schedule_rest(self, group: Hashable, backed_off: bool) -> None:
         """After the group's choice: a back-off to chain:0 rests the drafter 1, 2, 4, ... (at most `max_rest`)
