@@ -124,6 +124,25 @@ def test_batch_4_gets_its_own_costs():
     assert new.trees[spec].cost(1) == ts.trees[spec].cost(1) and new.trees[spec].cost(8) == ts.trees[spec].cost(8)
 
 
+def test_one_slow_step_does_not_price_a_shape_out():
+    """A shape timed once or twice is priced by its fastest step (noise only adds time): one step that met a
+    busy machine must not make every speculative tree look dear and the server rest until the shape is timed
+    again, which resting never does. From `ROBUST` steps on, the median of the recent ones."""
+    from entmtp_sglang.calibrate.online import ROBUST
+
+    ts = load_tree_set(shipped_tree_set("eagle", "mixed"))
+    cal = OnlineCalibration(ts, refit_every=1)
+    spec = next(i for i, e in enumerate(ts.trees) if e.tree.num_nodes > 1)
+    cost = ts.trees[spec].cost(1)
+    cal.observe_time(spec, 1, 50 * cost)           # the warm-up step: dropped
+    cal.observe_time(spec, 1, 10 * cost)           # a busy machine
+    cal.observe_time(spec, 1, cost)
+    assert cal.measured[(spec, 1)] == (pytest.approx(cost), 2)
+    for _ in range(ROBUST):
+        cal.observe_time(spec, 1, 3 * cost)
+    assert cal.measured[(spec, 1)][0] == pytest.approx(3 * cost)   # the machine really is slower: median
+
+
 def test_recording_trees_fit_sglang_buffers():
     t = record_tree(5)
     assert t.max_depth == 5 and required_topk(t) == 3

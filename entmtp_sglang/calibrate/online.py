@@ -31,6 +31,7 @@ from .provenance import amended
 
 MIN_KNOWN = 40          # observations of a depth before its fitted map replaces the prior
 RECENT = 32             # step times kept per tree shape and batch bucket
+ROBUST = 3              # step times of a shape before their median prices it (until then: their minimum)
 BUCKETS = (1, 2, 4, 8, 16, 32)    # batch sizes step costs are kept for (nearest on a log scale)
 
 
@@ -137,7 +138,9 @@ class OnlineCalibration:
     def observe_time(self, tree_index: int, batch_size: int, seconds: float | None) -> None:
         """One step's wall time (None: count the step, time unknown). A shape's first step is a warm-up
         (allocations, first-call paths) and is dropped; the estimate is the median of the shape's last
-        `RECENT` steps (the machine's load changes)."""
+        `RECENT` steps (the machine's load changes), and the fastest of them while fewer than `ROBUST` are
+        kept: noise only adds time, and a shape priced by one slow step would not be chosen again to be
+        re-timed (a server that rests for a whole request because one early step met a busy machine)."""
         self.steps += 1
         if seconds is None:
             return
@@ -147,7 +150,7 @@ class OnlineCalibration:
             self._warm.add(key)
             return
         seen.append(seconds)
-        self.measured[key] = (statistics.median(seen), len(seen))
+        self.measured[key] = (statistics.median(seen) if len(seen) >= ROBUST else min(seen), len(seen))
 
     def due(self) -> bool:
         return self.steps >= (self.refits + 1) * self.refit_every
