@@ -10,7 +10,7 @@ Systems (entmtp_sglang/bench/sglang_benchmark.py says how each is started):
 - `plain-stock`, the baseline: stock SGLang, this package's general plugin not loaded (SGLANG_PLUGINS=entmtp_cpu_ops:
   only the eight sgl_kernel CPU ops SGLang cannot start on a CPU without), SGLang's own linear layers, attention
   (torch_native) and sampling. Every ratio divides by it, every paired ratio by its run beside in the same wave.
-- `plain`: plain SGLang with this package installed (the plugin's CPU linear layers, sglang/cpu_linear.py); ENTMTP's
+- `plain`: plain SGLang with this package installed (the plugin's CPU linear layers, sglang/cpu/linear.py); ENTMTP's
   greedy output is checked against it token for token (the same layers), and every output against stock's too.
 - `entmtp`: `--speculative-algorithm ENTMTP` as `make serve` starts it.
 - SGLang's EAGLE over the static grid (s1-k1-n2, s2-k1-n3, s3-k1-n4, s3-k2-n6) and `--speculative-adaptive`, with the

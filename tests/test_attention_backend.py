@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from entmtp_sglang.sglang.gather import attend, decode_plan, extend_plan, rows_plan, verify_plan
+from entmtp_sglang.sglang.cpu.gather import attend, decode_plan, extend_plan, rows_plan, verify_plan
 from entmtp_sglang.tree import Tree, build_buffers
 
 
@@ -150,7 +150,7 @@ def test_per_row_draft_slots_give_each_request_its_own_trees_rows():
     import_sglang_or_skip()
     from types import SimpleNamespace
 
-    from entmtp_sglang.sglang.attention import MultiStepDraftBackend
+    from entmtp_sglang.sglang.cpu.attention import MultiStepDraftBackend
 
     gen = torch.Generator().manual_seed(5)
     _, _, r2t = pool(gen, reqs=3)

@@ -1,4 +1,4 @@
-"""The plugin's hooks on SGLang's float32 CPU linear layers (`sglang/cpu_linear.py`), called as SGLang calls them:
+"""The plugin's hooks on SGLang's float32 CPU linear layers (`sglang/cpu/linear.py`), called as SGLang calls them:
 the machine's path where it applies, SGLang's own code everywhere else. No SGLang needed."""
 
 import types
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from entmtp_sglang.kernels import fewrow_linear as FR
 from entmtp_sglang.model import linear as L
-from entmtp_sglang.sglang import cpu_linear
+from entmtp_sglang.sglang.cpu import linear as cpu_linear
 
 PACKING = [pytest.param("fewrow", marks=pytest.mark.skipif(not FR.available(), reason="kernel not built")),
            pytest.param("onednn", marks=pytest.mark.skipif(not L._HAS_ONEDNN, reason="no oneDNN"))]

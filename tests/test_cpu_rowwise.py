@@ -1,4 +1,4 @@
-"""The plugin's hooks on SGLang's float32 CPU RMSNorm, SiLU-and-mul and rotary embedding (`sglang/cpu_rowwise.py`),
+"""The plugin's hooks on SGLang's float32 CPU RMSNorm, SiLU-and-mul and rotary embedding (`sglang/cpu/rowwise.py`),
 called on SGLang's own layer classes as SGLang calls them: the row-wise ops where they apply (the same results as
 SGLang's `forward_native` to float32 rounding, the rotary embedding exactly), SGLang's code everywhere else."""
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from entmtp_sglang.kernels import rowwise_ops as R
-from entmtp_sglang.sglang import cpu_rowwise
+from entmtp_sglang.sglang.cpu import rowwise as cpu_rowwise
 
 pytestmark = pytest.mark.skipif(not R.available(), reason=f"ops not built: {R.unavailable_reason()}")
 

@@ -1,4 +1,4 @@
-"""Tree rejection sampling in torch (`entmtp_sglang.sglang.sampling`), SGLang's CUDA kernel semantics, without
+"""Tree rejection sampling in torch (`entmtp_sglang.sglang.cpu.sampling`), SGLang's CUDA kernel semantics, without
 SGLang: every emitted token keeps the target distribution (fixed-seed chi-square tests), and the outputs are
 consistent with the tree."""
 
@@ -8,7 +8,11 @@ import pytest
 import torch
 from helpers.testing import chi_square_pvalue
 
-from entmtp_sglang.sglang.sampling import top_k_renorm_prob, top_p_renorm_prob, tree_speculative_sampling_target_only
+from entmtp_sglang.sglang.cpu.sampling import (
+    top_k_renorm_prob,
+    top_p_renorm_prob,
+    tree_speculative_sampling_target_only,
+)
 from entmtp_sglang.tree import Tree, build_buffers
 
 VOCAB = 8

@@ -12,8 +12,8 @@ import torch
 from entmtp_sglang.calibrate.ragged_cost import RaggedStepCost, tree_set_cost
 from entmtp_sglang.policy.budget import BudgetConfig, allocate_ragged, allocate_ragged_exhaustive
 from entmtp_sglang.policy.controller import RequestInput, TreeController
-from entmtp_sglang.sglang import cpu_ops
-from entmtp_sglang.sglang.gather import attend, verify_plan
+from entmtp_sglang.sglang.cpu import ops as cpu_ops
+from entmtp_sglang.sglang.cpu.gather import attend, verify_plan
 from entmtp_sglang.sglang.ragged import packed_index, pad_tree, ragged_verify_plan, scatter_rows, verify_links
 from entmtp_sglang.sglang.tree_index import ShapeIndex, TreeIndex, draft_rows, draft_tree
 from entmtp_sglang.sglang.tree_plan import plan_tree

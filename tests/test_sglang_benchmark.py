@@ -298,8 +298,8 @@ def test_a_stock_process_loads_only_the_cpu_ops_of_this_package():
     SGLang, only the sgl_kernel CPU ops. Plain with the package: every hook, the linear layers' among them (unless
     the machine's path is F.linear itself). EAGLE's stand-in (`sglang_layers`): entmtp_torch and the other hooks, not
     the linear layers'. Each in a fresh process: SGLang loads plugins once per process."""
-    from entmtp_sglang.sglang import cpu_rowwise
-    from entmtp_sglang.sglang.cpu_linear import LINEAR_APPLY, LM_HEAD
+    from entmtp_sglang.sglang.cpu import rowwise as cpu_rowwise
+    from entmtp_sglang.sglang.cpu.linear import LINEAR_APPLY, LM_HEAD
 
     stock = _loads(b.STOCK.env)
     assert stock == {"hooks": [], "entmtp_torch": False, "stub": True}

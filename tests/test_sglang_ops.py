@@ -1,4 +1,4 @@
-"""The pure-torch sgl_kernel CPU ops (entmtp_sglang.sglang.cpu_ops), tested without SGLang installed.
+"""The pure-torch sgl_kernel CPU ops (entmtp_sglang.sglang.cpu.ops), tested without SGLang installed.
 
 The two tree ops are compared with straightforward Python transcriptions of SGLang 0.5.23's Triton
 kernels (`sglang/kernels/ops/speculative/spec_tree.py`: `sgl_build_tree_kernel_efficient_triton`,
@@ -23,8 +23,8 @@ import types
 import pytest
 import torch
 
-from entmtp_sglang.sglang import cpu_ops
-from entmtp_sglang.sglang.cpu_ops import (
+from entmtp_sglang.sglang.cpu import ops as cpu_ops
+from entmtp_sglang.sglang.cpu.ops import (
     CPU_OP_NAMES,
     TREE_MASK_FULL,
     TREE_MASK_QLEN_ONLY,

@@ -1,7 +1,7 @@
 """Sampled ENTMTP requests on CPU keep the target distribution, through a real SGLang server (issue 14, item 4).
 
 On CPU SGLang verifies every speculative algorithm greedily; ENTMTP verifies sampled requests by tree
-rejection sampling (`entmtp_sglang.sglang.sampling`). One prompt is sent many times at temperature 0.8, each
+rejection sampling (`entmtp_sglang.sglang.cpu.sampling`). One prompt is sent many times at temperature 0.8, each
 request with its own `sampling_seed` (so the run is reproducible); the first generated token comes from the
 prefill's sampler and the second from ENTMTP's verification (an accepted draft or the bonus token). Their joint
 counts are tested against p(x1) p(x2 | x1), computed exactly from the bundled target model in float32

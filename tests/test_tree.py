@@ -418,7 +418,7 @@ def test_pad_trees_ancestors_are_each_trees_mask_padded_with_self(arrays):
 
 
 def test_verify_plan_without_tree_mask_sees_a_chain():
-    from entmtp_sglang.sglang.gather import verify_plan
+    from entmtp_sglang.sglang.cpu.gather import verify_plan
 
     n, seq = 4, torch.tensor([2, 0])
     r2t = torch.arange(20).view(2, 10)
@@ -431,7 +431,7 @@ def test_verify_plan_without_tree_mask_sees_a_chain():
 
 @pytest.mark.parametrize("mode", [0, 1])
 def test_sglang_build_tree_mask_and_positions(mode):
-    from entmtp_sglang.sglang.cpu_ops import build_tree_kernel_efficient_cpu
+    from entmtp_sglang.sglang.cpu.ops import build_tree_kernel_efficient_cpu
 
     # Two requests: a small tree (topk=2, depth=3), and a tree whose node 2 is an orphan (its parent
     # candidate was not selected): it sees the root and itself, and its child node 3 sees 0, 2, 3.

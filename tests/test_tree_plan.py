@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from entmtp_sglang.sglang.cpu_ops import TREE_MASK_QLEN_ONLY, build_tree_kernel_efficient_cpu
+from entmtp_sglang.sglang.cpu.ops import TREE_MASK_QLEN_ONLY, build_tree_kernel_efficient_cpu
 from entmtp_sglang.sglang.tree_plan import TreeShapeError, plan_tree, required_topk
 from entmtp_sglang.tree import Tree, build_buffers
 

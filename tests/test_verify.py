@@ -207,7 +207,7 @@ def test_greedy_matches_plain_walk_on_random_trees(seed):
 
 @pytest.mark.parametrize("seed", range(4))
 def test_sglang_cpu_op_matches_linked_list_walk(seed):
-    from entmtp_sglang.sglang.cpu_ops import verify_tree_greedy_cpu
+    from entmtp_sglang.sglang.cpu.ops import verify_tree_greedy_cpu
 
     gen = torch.Generator().manual_seed(100 + seed)
     bs, n = 3, int(torch.randint(1, 16, (1,), generator=gen))
@@ -238,7 +238,7 @@ def test_sglang_cpu_op_matches_linked_list_walk(seed):
 
 
 def test_sglang_cpu_op_rejects_descending_sibling_lists():
-    from entmtp_sglang.sglang.cpu_ops import verify_tree_greedy_cpu
+    from entmtp_sglang.sglang.cpu.ops import verify_tree_greedy_cpu
 
     # root's children 1 and 2 listed as 2 -> 1: the shared verifier would pick 1 where the list walk picks 2
     z = torch.zeros(1, 3, dtype=torch.int64)

@@ -16,7 +16,7 @@ configuration), `ServerPool` (start all, stop all, always), `concurrent_generate
 over HTTP) and `spec_counts` (steps, accepted drafts, verified tokens and trees from a response).
 
 Stock SGLang. Installing this package installs two SGLang plugins: `entmtp` (the general plugin: ENTMTP, the
-`entmtp_torch` attention backend and hooks, among them the CPU linear layers of `sglang/cpu_linear.py`, in every
+`entmtp_torch` attention backend and hooks, among them the CPU linear layers of `sglang/cpu/linear.py`, in every
 SGLang process, plain servers too) and `entmtp_cpu_ops` (a platform plugin that only supplies the eight
 `sgl_kernel` CPU ops SGLang 0.5.23 imports on its CPU path: without them SGLang does not start on a CPU at all,
 `ModuleNotFoundError: No module named 'sgl_kernel'`, since PyPI ships sgl-kernel for CUDA only). SGLang's
@@ -49,9 +49,9 @@ from ..tasks import load_prompts
 FLOAT32 = ("--dtype", "float32")  # float32 keeps near-tied argmaxes from flipping between batch shapes
 STOCK_PLUGINS = "entmtp_cpu_ops"   # SGLANG_PLUGINS for stock SGLang: the sgl_kernel CPU ops only (module docstring)
 STOCK_ENV = (("SGLANG_PLUGINS", STOCK_PLUGINS),)
-# SGLang's own CPU layers in a process that loads the plugin: sglang/cpu_linear.py hooks nothing when the machine's
+# SGLang's own CPU layers in a process that loads the plugin: sglang/cpu/linear.py hooks nothing when the machine's
 # linear path is F.linear (ENTMTP_LINEAR=torch asks for it, ENTMTP_ONEDNN=0 is its older spelling), and
-# sglang/cpu_rowwise.py nothing with ENTMTP_ROWWISE=0 (SGLang's own RMSNorm, SiLU-and-mul, rotary embedding)
+# sglang/cpu/rowwise.py nothing with ENTMTP_ROWWISE=0 (SGLang's own RMSNorm, SiLU-and-mul, rotary embedding)
 SGLANG_LAYERS_ENV = (("ENTMTP_LINEAR", "torch"), ("ENTMTP_ONEDNN", "0"), ("ENTMTP_ROWWISE", "0"))
 
 
@@ -85,7 +85,7 @@ class SystemSpec:
     @property
     def layers(self) -> str:
         """Whose CPU layers the server runs: "sglang" (stock, or the plugin told to keep SGLang's) or "package"
-        (the plugin's: `sglang/cpu_linear.py`, `sglang/cpu_rowwise.py`)."""
+        (the plugin's: `sglang/cpu/linear.py`, `sglang/cpu/rowwise.py`)."""
         env = dict(self.env)
         return ("sglang" if self.stock or env.get("ENTMTP_LINEAR") == "torch" or env.get("ENTMTP_ONEDNN") == "0"
                 else "package")

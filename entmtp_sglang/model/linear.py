@@ -1,5 +1,5 @@
 """Linear layers on the CPU, float32: one place that picks, per machine, a batch-invariant path for every linear
-layer of the reference engine and of SGLang with this plugin (`sglang/cpu_linear.py`).
+layer of the reference engine and of SGLang with this plugin (`sglang/cpu/linear.py`).
 
 Why a choice at all. Decoding multiplies a few rows by weights far larger than the cache: a plain step one row per
 request, a verify step one per tree node. Speculation only pays if a verify over a few nodes costs about what one

@@ -7,50 +7,19 @@ raised by plugins (it only logs them), so every failure here is logged loudly wi
 
 from __future__ import annotations
 
-import inspect
 import logging
 import sys
+
+from .patches import DRAFT_BACKEND_FACTORY, HOOKED, OUTPUT_STREAMER, PENALTIES, check_signature
 
 logger = logging.getLogger("entmtp_sglang.sglang")
 
 _DONE = False
 
-# Functions we wrap with SGLang's HookRegistry, with the parameters we rely on. Checked at load.
-DRAFT_BACKEND_FACTORY = "sglang.srt.speculative.draft_utils.DraftBackendFactory._create_backend"
-OUTPUT_STREAMER = "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class"
-PENALTIES = "sglang.srt.sampling.penaltylib.orchestrator.BatchedPenalizerOrchestrator.apply"
-HOOKED = {
-    DRAFT_BACKEND_FACTORY: ("self", "backend_name", "backend_map", "error_template", "stamps_children"),
-    OUTPUT_STREAMER: ("self",),
-    PENALTIES: ("self", "logits", "repeat"),
-}
-
-
-class HookSignatureError(RuntimeError):
-    pass
-
-
-def check_signature(dotted: str, expected: tuple[str, ...]) -> None:
-    """Fail with a message naming `dotted` if its parameters are not `expected` (SGLang changed)."""
-    import pkgutil
-
-    module_name, _, attr = dotted.rpartition(".")
-    owner_name, _, cls_attr = module_name.rpartition(".")
-    try:
-        obj = pkgutil.resolve_name(dotted)
-    except (ImportError, AttributeError) as e:
-        raise HookSignatureError(f"entmtp: SGLang has no {dotted} ({e}); this entmtp-sglang supports "
-                                 f"sglang 0.5.23") from e
-    fn = inspect.unwrap(obj)
-    got = tuple(inspect.signature(fn).parameters)
-    if got[: len(expected)] != expected:
-        raise HookSignatureError(f"entmtp: {dotted} has parameters {got}, expected {expected} "
-                                 f"(written for sglang 0.5.23)")
-
 
 def _draft_backend_around(original, self, backend_name, backend_map, error_template, stamps_children=False):
     """Adds `entmtp_torch` to DraftBackendFactory's name -> constructor maps."""
-    from .attention import NAME, MultiStepDraftBackend, TorchTreeAttnBackend
+    from .cpu.attention import NAME, MultiStepDraftBackend, TorchTreeAttnBackend
 
     runner = self.draft_model_runner
     if stamps_children:
@@ -80,7 +49,7 @@ def _register_attention() -> None:
     from sglang.srt.layers.attention import attention_registry
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from .attention import NAME, TorchTreeAttnBackend
+    from .cpu.attention import NAME, TorchTreeAttnBackend
 
     if NAME not in attention_registry.ATTENTION_BACKENDS:
         attention_registry.register_attention_backend(NAME)(lambda runner: TorchTreeAttnBackend(runner))
@@ -95,9 +64,10 @@ def _register_attention() -> None:
     HookRegistry.register(DRAFT_BACKEND_FACTORY, _draft_backend_around, HookType.AROUND)
     HookRegistry.register(OUTPUT_STREAMER, output_streamer_hook, HookType.AFTER)
     HookRegistry.register(PENALTIES, _penalties_in_one_order, HookType.AROUND)
-    from . import admission, cpu_linear, cpu_rowwise, observe, sampling
+    from . import admission, observe
+    from .cpu import linear, rowwise, sampling
 
-    for module in (admission, observe, sampling, cpu_linear, cpu_rowwise):
+    for module in (admission, observe, sampling, linear, rowwise):
         module.register_hooks(check_signature)
 
 
@@ -105,7 +75,7 @@ def register() -> None:
     global _DONE
     if _DONE:
         return
-    from .cpu_ops import install_if_missing
+    from .cpu.ops import install_if_missing
 
     install_if_missing()
     try:

@@ -26,7 +26,7 @@ from typing import Sequence
 import torch
 
 from ..tree import Tree
-from .gather import _Plan, verify_plan
+from .cpu.gather import _Plan, verify_plan
 from .tree_plan import TreePlan, TreeShapeError, plan_tree
 
 

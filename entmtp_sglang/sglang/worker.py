@@ -55,10 +55,11 @@ from ..policy.controller import RequestInput, TreeController
 from ..policy.signals import draft_signal, least_predictable, top_probs
 from ..tree.acceptance import AcceptancePredictor
 from . import grammar_draft, observe, visibility
-from .attention import NAME as ATTENTION_NAME
-from .attention import RAGGED_ATTR, MultiStepDraftBackend, TorchTreeAttnBackend
 from .config import ENV_PROFILE, ENV_TREE_TRACE, EntMtpConfig, pin_of
+from .cpu.attention import NAME as ATTENTION_NAME
+from .cpu.attention import RAGGED_ATTR, MultiStepDraftBackend, TorchTreeAttnBackend
 from .forced_draft import ForcedDraft, ForcedStep
+from .patches import patch_instance
 from .ragged import RaggedVerify, packed_index, scatter_rows
 from .recording import StepObserver
 from .sglang_api import (
@@ -181,8 +182,8 @@ class EntMtpWorker(EAGLEWorkerV2):
         self._trace_path = _trace_path(os.environ.get(ENV_TREE_TRACE))
         dw = self._draft_worker
         if dw is not None:
-            dw.draft_forward = self._draft_forward_tree
-            forward = dw.draft_runner.forward
+            # every patch of an SGLang object goes through patches.INSTANCE_PATCHES (its parameters checked)
+            patch_instance(dw, "draft_forward", self._draft_forward_tree)
 
             def capture(forward_batch, *args, **kwargs):
                 out = forward(forward_batch, *args, **kwargs)
@@ -190,14 +191,12 @@ class EntMtpWorker(EAGLEWorkerV2):
                     self._last_extend = out.logits_output
                 return out
 
-            dw.draft_runner.forward = capture
+            forward = patch_instance(dw.draft_runner, "draft_runner_forward", capture)
             # resting: a step that rests skips the draft model's extend pass; the positions it verified are
             # owed to the drafter (`_pending`) and caught up in one extend pass when speculation resumes
-            self._extend_for_decode = dw._draft_extend_for_decode
-            dw._draft_extend_for_decode = self._draft_extend_or_rest
-            runner = self.target_worker.model_runner
-            self._target_forward = runner.forward
-            runner.forward = self._target_forward_or_decode
+            self._extend_for_decode = patch_instance(dw, "draft_extend_for_decode", self._draft_extend_or_rest)
+            self._target_forward = patch_instance(self.target_worker.model_runner, "target_forward",
+                                                  self._target_forward_or_decode)
         self._resting = False
         self._max_pending = max(MAX_PENDING, self.config.max_rest + 1)
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rid -> [(token, hidden)]

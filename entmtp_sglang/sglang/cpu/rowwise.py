@@ -8,7 +8,7 @@ rotary embedding bit for bit, the RMSNorm and SiLU to float32 rounding), each ro
 so a row's result does not depend on the rows beside it: a verified tree's root gets plain decoding's result.
 
 Installed by the plugin in every SGLang process on the CPU engine, plain servers included (with the linear layers
-of `cpu_linear.py`): ENTMTP is checked against plain SGLang with the same ops. Only where SGLang would itself take
+of `linear.py`): ENTMTP is checked against plain SGLang with the same ops. Only where SGLang would itself take
 `forward_native` on float32 CPU tensors in the plain form (no extra residual, no quantized projection, no partial
 variance, no autograd); anything else keeps SGLang's path. `ENTMTP_ROWWISE=0` leaves all three alone.
 """
@@ -20,7 +20,7 @@ import os
 
 import torch
 
-from ..kernels import rowwise_ops as ops
+from ...kernels import rowwise_ops as ops
 
 logger = logging.getLogger(__name__)
 RMSNORM = "sglang.srt.layers.layernorm.RMSNorm.forward_native"

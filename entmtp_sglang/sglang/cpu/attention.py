@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
+from ..ragged import ragged_verify_plan
+from ..sglang_api import AttentionBackend, KVWriteLoc
 from .gather import _Plan, _ragged_rows, attend, decode_plan, extend_plan, rows_plan, verify_plan
-from .ragged import ragged_verify_plan
-from .sglang_api import AttentionBackend, KVWriteLoc
 
 NAME = "entmtp_torch"
 RAGGED_ATTR = "entmtp_ragged"   # on a verify's spec_info, a `ragged.RaggedVerify`: the forward's tokens are packed

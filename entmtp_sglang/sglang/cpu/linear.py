@@ -21,8 +21,8 @@ import logging
 
 import torch
 
-from ..kernels.fewrow_linear import FewRowWeight
-from ..model.linear import PackedWeight, applies, packed_linear
+from ...kernels.fewrow_linear import FewRowWeight
+from ...model.linear import PackedWeight, applies, packed_linear
 
 logger = logging.getLogger(__name__)
 F32 = torch.float32
@@ -98,7 +98,7 @@ def register_hooks(check_signature) -> None:
     """Install both hooks (CPU engine only; where the machine's path is `F.linear` itself, SGLang's layers stay)."""
     import os
 
-    from ..model import linear as packed
+    from ...model import linear as packed
 
     if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1":
         return

@@ -134,7 +134,7 @@ def cpu_sampling_enabled() -> bool:
 
 def uses_greedy_around(original, **kwargs):
     """AROUND hook of `_verify_uses_greedy`: on CPU, ENTMTP verifies sampled requests by rejection sampling."""
-    from .admission import is_entmtp
+    from ..admission import is_entmtp
 
     if kwargs.get("is_cpu") and is_entmtp() and cpu_sampling_enabled():
         _install_cpu_kernels()

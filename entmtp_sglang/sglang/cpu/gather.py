@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
-from ..kernels import tree_ancestor_mask
+from ...kernels import tree_ancestor_mask
 
 
 class _Plan:

@@ -39,7 +39,7 @@ import types
 
 import torch
 
-from ..kernels import tree_ancestor_mask, verify_tree_greedy
+from ...kernels import tree_ancestor_mask, verify_tree_greedy
 
 logger = logging.getLogger(__name__)
 
