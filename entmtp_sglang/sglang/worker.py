@@ -2,6 +2,12 @@
 
 SGLang verifies one `draft_token_num` per batch (a strided `bs x N` layout), so the rows of one step share a
 shape: N nodes each, and the draft levels of the deepest row's tree. Within it every request drafts its own tree.
+A decode step is a pipeline over one frozen record of its decision (step.py `StepDecision`): the rules that rest a
+step (`rest_rule`: penalties, positions owed to the drafter, caught up by `_catch_up`), the policy's choice
+(`choose_trees`) laid out on the server's tree indices (`lay_out`), applied once (`_apply`: runtime state, the draft
+backend's rows, telemetry); the drafter (`_draft_forward_tree`), verification (`verify`, `_ragged_forward`) and the
+step's timing read that record and nothing else of the choice (forced spans replace it with their wider layout).
+
 Per step:
 1. signal: each request's draft signal (the tree set's: entropy, or top-1 margin; policy/signals.py) of
    its next root distribution, computed from the logits the draft-extend pass already produced (no extra
@@ -41,12 +47,9 @@ timed steps only in a single-rank server: wall times differ between ranks).
 
 from __future__ import annotations
 
-import collections
-import json
 import logging
 import os
 import time
-from pathlib import Path
 
 import torch
 
@@ -60,7 +63,7 @@ from .cpu.attention import NAME as ATTENTION_NAME
 from .cpu.attention import RAGGED_ATTR, MultiStepDraftBackend, TorchTreeAttnBackend
 from .forced_draft import ForcedDraft, ForcedStep
 from .patches import patch_instance
-from .ragged import RaggedVerify, packed_index, scatter_rows
+from .ragged import scatter_rows
 from .recording import StepObserver
 from .sglang_api import (
     EAGLEWorkerV2,
@@ -74,8 +77,10 @@ from .sglang_api import (
     per_step_draft_out_cache_loc,
 )
 from .shapes import Shape, ShapeStates
-from .tree_index import RowIndex, ShapeIndex, TreeIndex, draft_rows, draft_tree
-from .tree_plan import TreePlan, plan_tree
+from .step import REST, Mode, StepDecision, choose_trees, lay_out, ragged_shapes, rest_rule, shape_trees
+from .telemetry import StepTelemetry, trace_path
+from .tree_index import ShapeIndex, TreeIndex, draft_rows, draft_tree
+from .tree_plan import plan_tree
 
 logger = logging.getLogger("entmtp_sglang.sglang")
 
@@ -136,28 +141,21 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.shape_index = (ShapeIndex.for_trees(trees, self.topk, target_worker.model_runner.device,
                                                  ragged=self.ragged) if self.config.per_row else {})
         # ragged: the shapes a step may run in, smallest first: (levels D, nodes N) -> (D, the trees a row may take)
-        self._shapes = {key: (key[0], frozenset(self.shape_index[key].trees))
-                        for key in sorted(self.shape_index, key=lambda k: (k[1], k[0]))} if self.ragged else {}
-        self._shape_tree = {(t.max_depth, t.num_nodes): i for i, t in reversed(list(enumerate(trees)))}
-        self._ragged_step: RaggedVerify | None = None   # this step's ragged verify (None: every row N nodes)
+        self._shapes = ragged_shapes(self.shape_index) if self.ragged else {}
+        self._shape_tree = shape_trees(trees)
         # forced spans (forced_draft.py; ENTMTP_FORCED_SPANS): the grammar's text below constrained rows' leaves
         self.forced = ForcedDraft.for_worker(server_args.tokenizer_path or server_args.model_path,
                                              target_worker.model_config.vocab_size, self.ragged, self.topk)
         self._forced_step: ForcedStep | None = None     # this step's spans, until SGLang reports its acceptance
         self._forced_width: int | None = None           # the width the step's forced spans widened (restored after)
-        self._row_real: list[int] = []                  # this step's real node count of each row
-        self._rows: RowIndex | None = None         # this step's per-row draft indices (None: one tree)
-        self._row_plans: list[TreePlan] = []       # this step's tree of each row, laid out on the step's levels
         self.signal = self.tree_set.signal         # draft_entropy or draft_margin (config checks)
         self.controller = TreeController.for_tree_set(self.tree_set, self.config.policy != "entmtp-bins",
                                                       hysteresis=self.config.hysteresis,
                                                       max_nodes=self.config.max_nodes, max_rest=self.config.max_rest)
         self.signals: dict[str, float] = {}        # rid -> latest draft signal value
         self.probs: dict[str, tuple] = {}          # rid -> latest depth-1 top-k draft probabilities
-        self.histogram = collections.Counter()
-        self.steps = 0
-        self.last_log = time.monotonic()
-        self._plan, self._tree_index = self.plans[-1], self.indices[-1]
+        # this step's decision (step.py): what every part of a decode step reads; before the first, the last tree's
+        self._step = StepDecision(self.plans[-1], self.indices[-1], None, False, self.plans[-1].tree.name, ())
         self._index_by_name = {t.tree.name: i for i, t in enumerate(self.tree_set.trees)}
         self._warned: set = set()
         self._last_extend = None
@@ -177,9 +175,10 @@ class EntMtpWorker(EAGLEWorkerV2):
         single = int(getattr(server_args, "tp_size", 1) or 1) == 1
         self.costs = (OnlineCalibration(self.tree_set, refit_every=COST_REFIT_EVERY)
                       if self.config.online_costs and single and not online else None)
-        self._chosen: int | None = None
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
-        self._trace_path = _trace_path(os.environ.get(ENV_TREE_TRACE))
+        self.telemetry = StepTelemetry(trace_path(os.environ.get(ENV_TREE_TRACE),
+                                                  getattr(get_parallel(), "tp_rank", 0)),
+                                       self.config.log_interval_s, self.signal)
         dw = self._draft_worker
         if dw is not None:
             # every patch of an SGLang object goes through patches.INSTANCE_PATCHES (its parameters checked)
@@ -197,7 +196,6 @@ class EntMtpWorker(EAGLEWorkerV2):
             self._extend_for_decode = patch_instance(dw, "draft_extend_for_decode", self._draft_extend_or_rest)
             self._target_forward = patch_instance(self.target_worker.model_runner, "target_forward",
                                                   self._target_forward_or_decode)
-        self._resting = False
         self._max_pending = max(MAX_PENDING, self.config.max_rest + 1)
         self._pending: dict[str, list[tuple[torch.Tensor, torch.Tensor]]] = {}  # rid -> [(token, hidden)]
         self.profiler = _profiler(self)
@@ -317,18 +315,17 @@ class EntMtpWorker(EAGLEWorkerV2):
             seconds = time.perf_counter() - start
             if self.observer is not None:
                 self._observe(batch, seconds)
-            if self.costs is not None and self._chosen is not None and self._ragged_step is None:
+            if self.costs is not None and self._step.chosen is not None and self._step.ragged is None:
                 self._time_step(len(batch.reqs), seconds)   # (a ragged step is not its shape tree's full step)
         self._record_signals(batch)
         if prof is not None:
-            prof.end_step(tree="rest" if self._resting else self._plan.tree.name if self._plan is not None
-                          else "plain", bs=len(batch.reqs))
+            prof.end_step(tree=REST if self._step.resting else self._step.name, bs=len(batch.reqs))
         return out
 
     def _observe(self, batch, seconds: float) -> None:
         obs = self.observer
         try:
-            obs.step(batch.reqs, self._plan, self._chosen, seconds, observe.take())
+            obs.step(batch.reqs, self._step.plan, self._step.chosen, seconds, observe.take())
             if obs.online is not None and obs.online.due():
                 ts = obs.online.refit()
                 self.tree_set = self.controller.tree_set = ts
@@ -341,80 +338,59 @@ class EntMtpWorker(EAGLEWorkerV2):
 
     def _time_step(self, rows: int, seconds: float) -> None:
         costs = self.costs
-        costs.observe_time(self._chosen, rows, seconds)
+        costs.observe_time(self._step.chosen, rows, seconds)
         if costs.due():
             self.tree_set = self.controller.tree_set = costs.refit_costs()
             logger.info("ENTMTP step costs timed in this server (%d steps): %s", costs.steps, costs.summary())
 
     def _choose(self, batch) -> None:
+        """The step's decision (step.py), made once: the rules that make a step rest (penalties, positions owed
+        to the drafter), then the policy's choice over each request's signal, laid out on the server's indices;
+        then applied (`_apply`)."""
         reqs = batch.reqs
-        plan, index, h, ids, key = None, None, float("nan"), None, None
-        self._resting = False
-        ragged = self.ragged and self.observer is None
+        choice, rest, h = None, False, float("nan")
+        mode = (Mode.RAGGED if self.ragged and self.observer is None
+                else Mode.PER_ROW if self.shape_index and self.observer is None
+                else Mode.ONE_TREE)   # (while recording, the observer records one tree per step)
         try:
             # penalties: one token per step keeps them exact; ragged, such a request rests as a row of the step
             forced = [needs_plain_decoding([r]) for r in reqs]
-            plain = all(forced) if ragged else any(forced)
             owed = max((len(self._pending.get(r.rid, ())) for r in reqs), default=0)
-            if owed and owed < self._max_pending and (plain or self.controller.rests(["batch"])):
-                raise _Rest
-            if owed:
+            rule = rest_rule(forced, owed, mode, self._max_pending, lambda: self.controller.rests(["batch"]))
+            if rule.catch_up:
                 self._catch_up(batch)
-            if plain:
+            if rule.rest:
                 raise _Rest
             self._grammar_signals(batch, reqs)
             unknown = least_predictable(self.signal)
-            probe = self.observer.probe_tree(self.steps) if self.observer is not None else None
+            probe = self.observer.probe_tree(self.telemetry.steps) if self.observer is not None else None
             rest_name = self.plans[self._rest_tree].tree.name if self._rest_tree is not None else None
             inputs = [RequestInput(r.rid, self.signals.get(r.rid, unknown), self.probs.get(r.rid, ()), self._room(r),
                                    rest_name if rest else self._pin(r) or probe) for r, rest in zip(reqs, forced)]
             known = [x.signal for x in inputs if x.signal != unknown]
             h = sum(known) / len(known) if known else unknown
-            if ragged:   # each request its own tree and node count, inside one shape
-                key, ids = self.controller.choose_ragged(inputs, self._shapes, len(reqs))
-                # every row at chain:0: the step is chain:0's (a resting step, named so), as without ragged verify
-                idx = self._rest_tree if all(i == self._rest_tree for i in ids) else self._shape_tree[key]
-            elif self.shape_index and self.observer is None:   # each request its own tree at a shared shape
-                ids = self.controller.choose_rows(inputs, len(reqs))
-                idx = None if ids is None else max(ids, key=lambda i: self.plans[i].num_steps)  # sets the shape
-            else:   # one tree for the batch (and while recording: the observer records one tree per step)
-                idx = self.controller.choose(inputs, len(reqs))
-            if idx is not None:
-                plan, index = self.plans[idx], self.indices[idx]
-            if plan is None or plan.num_steps == 0:   # chain:0 or no room: this step rests the drafter
-                self._resting = True
+            choice = choose_trees(self.controller, inputs, mode, self._shapes, self._shape_tree, self._rest_tree,
+                                  self.plans)
         except _Rest:
-            self._resting = True
+            rest = True
         except Exception:   # the policy must never fail a request: decode plainly this step
             logger.exception("ENTMTP: tree choice failed; this step decodes without speculation")
             self._pending.clear()
-            plan, index, ids = None, None, None
-        self._plan, self._tree_index = plan, index
-        self._chosen = self._index_by_name.get(plan.tree.name if plan is not None else "chain:0")
-        name = plan.tree.name if plan is not None else ("rest" if self._resting else "plain")
-        n, steps = (plan.num_nodes, plan.num_steps) if plan is not None else (1, 0)
-        self._rows, self._row_plans, self._ragged_step, self._row_real = None, [], None, []
-        names = [name] * len(reqs)
-        if ids is not None and plan is not None and steps > 0:
-            shape = self.shape_index[(steps, n)]
-            positions = [shape.position(i) for i in ids]
-            at = torch.tensor(positions, dtype=torch.long, device=batch.seq_lens.device)
-            self._rows = shape.gather(at)
-            self._row_plans = [shape.plans[k] for k in positions]
-            names = [self.plans[i].tree.name for i in ids]
-            if shape.links is not None:
-                self._row_real = [shape.real_nodes[k] for k in positions]
-                if min(self._row_real) < n:   # some row verifies fewer than N: the target runs the real tokens only
-                    real, first, sibling = (t.index_select(0, at) for t in shape.links)
-                    self._ragged_step = RaggedVerify(real, tuple(self._row_real), packed_index(real), first, sibling)
-        self.histogram.update(names)   # per request: each row's tree (rest, plain: the whole batch's)
-        self.steps += 1
+            choice = None
+        step = lay_out(choice, len(reqs), self.plans, self.indices, self.shape_index, self._index_by_name,
+                       resting=rest, device=batch.seq_lens.device)
+        self._apply(batch, step, h)
+
+    def _apply(self, batch, step: StepDecision, h: float) -> None:
+        """Make `step` this step's: telemetry (histogram, meta_info, trace), the runtime state of its shape, and the
+        draft backend's per-row ancestor slots."""
+        reqs = batch.reqs
+        self._step = step
         self._step_reqs = list(reqs)
-        for r, row_name in zip(reqs, names):
-            visibility.note(r, visibility.TREES, row_name)
+        n, steps = step.num_nodes, step.num_steps
         dw = self._draft_worker
         states = self.shape_states
-        state = states.state_of(self._chosen) if plan is not None and states is not None else None
+        state = states.state_of(step.chosen) if step.plan is not None and states is not None else None
         if state is not None:
             self._switch(state)
         elif (self.speculative_num_draft_tokens, self.speculative_num_steps) != (n, steps):
@@ -423,27 +399,25 @@ class EntMtpWorker(EAGLEWorkerV2):
             self.speculative_num_steps = dw.speculative_num_steps = steps
             get_context().override("entmtp.tree", speculative_num_draft_tokens=n, speculative_num_steps=steps)
             self._state = None
-        self._trace(reqs, name, names, self._row_real)
-        if plan is not None and steps > 1:
+        state = self._state
+        self.telemetry.record(reqs, step, None if state is None else (state.speculative_num_steps,
+                                                                      state.speculative_num_draft_tokens), h)
+        if step.plan is not None and steps > 1:
             backend = dw.draft_attn_backend
             if not isinstance(backend, MultiStepDraftBackend):
                 raise RuntimeError("ENTMTP drafts fixed trees with the entmtp_torch attention backend; start "
                                    "the server with --attention-backend entmtp_torch (CPU) or "
                                    "--speculative-draft-attention-backend entmtp_torch (GPU) (draft backend: "
                                    f"{type(backend).__name__})")
-            rows = self._rows if self._rows is not None else index
+            rows = step.rows if step.rows is not None else step.index
             backend.set_draft_rows(list(rows.row_offsets), list(rows.row_valid))
-        if time.monotonic() - self.last_log > self.config.log_interval_s:
-            self.last_log = time.monotonic()
-            logger.info("ENTMTP trees chosen per request over %d steps: %s (last batch mean %s %.2f)", self.steps,
-                        ", ".join(f"{k}={v}" for k, v in self.histogram.most_common()), self.signal, h)
 
     # -- resting ------------------------------------------------------------------------------------
     def _draft_extend_or_rest(self, batch, batch_result, **kwargs):
         """Replaces EagleDraftWorker._draft_extend_for_decode: on a resting step the draft model does not run;
         each request owes it the position just verified (the token the target chose there and the target's
         hidden state), caught up by `_catch_up`."""
-        if not self._resting:
+        if not self._step.resting:
             return self._extend_for_decode(batch, batch_result, **kwargs)
         tokens = batch_result.next_token_ids
         hidden = batch_result.logits_output.hidden_states
@@ -462,11 +436,11 @@ class EntMtpWorker(EAGLEWorkerV2):
     def verify(self, batch, *args, **kwargs):
         """SGLang's verify; on a resting step as a one-node chain (topk 1): the accepted path is the root, already
         where SGLang's tree compaction would move it, so the KV, token and hidden-state compaction is skipped."""
-        if not self._resting:
+        if not self._step.resting:
             self._forced_step = None
             if self.forced is not None and self.speculative_num_steps > 0 and len(self._step_reqs) == len(batch.reqs):
                 self._forced_spans(batch)
-            rs = self._ragged_step
+            rs = self._step.ragged
             if rs is not None:   # padding nodes unlinked: SGLang's acceptance and grammar walks never visit them
                 spec = batch.spec_info
                 if tuple(spec.retrieve_next_token.shape) != tuple(rs.real.shape):
@@ -494,9 +468,10 @@ class EntMtpWorker(EAGLEWorkerV2):
             i: g for i, r in enumerate(reqs)
             if not self._never_drafts(r) and not needs_plain_decoding([r])
             and (g := grammar_draft.live_grammar(r)) is not None}
-        step = self.forced.extend(batch.spec_info, self._ragged_step, reqs, grammars, [self._room(r) for r in reqs])
+        step = self.forced.extend(batch.spec_info, self._step.ragged, reqs, grammars, [self._room(r) for r in reqs])
         if step is not None:
-            self._forced_step, self._ragged_step, self._forced_width = step, step.ragged, step.base_width
+            self._forced_step, self._forced_width = step, step.base_width
+            self._step = self._step.with_ragged(step.ragged)
             self._set_verify_width(step.layout.num_nodes)
 
     def _set_verify_width(self, n: int) -> None:
@@ -511,9 +486,10 @@ class EntMtpWorker(EAGLEWorkerV2):
         decode attention and output path, not the tree-verify ones), then the batch reads as a verify again
         for SGLang's acceptance code. Every other forward is SGLang's own."""
         spec = forward_batch.spec_info
-        if self._ragged_step is not None and not self._resting and forward_batch.forward_mode.is_target_verify():
+        resting = self._step.resting
+        if self._step.ragged is not None and not resting and forward_batch.forward_mode.is_target_verify():
             return self._ragged_forward(forward_batch, *args, **kwargs)
-        if not (self._resting and forward_batch.forward_mode.is_target_verify()
+        if not (resting and forward_batch.forward_mode.is_target_verify()
                 and int(getattr(spec, "draft_token_num", 0) or 0) == 1):
             return self._target_forward(forward_batch, *args, **kwargs)
         bs = forward_batch.seq_lens.shape[0]
@@ -535,7 +511,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         """The target's verify forward over the rows' real tokens only (ragged.py): input ids, positions and cache
         locations packed, `entmtp_torch` planning the packed queries, then logits and hidden states scattered
         back to SGLang's `bs x N` layout (padding rows 0, never accepted: unlinked in `verify`)."""
-        rs = self._ragged_step
+        rs = self._step.ragged
         total = rs.real.numel()
         if forward_batch.input_ids.shape[0] != total:
             raise RuntimeError(f"ENTMTP: ragged verify of {total} slots, the verify batch has "
@@ -616,20 +592,6 @@ class EntMtpWorker(EAGLEWorkerV2):
             for rid, (sig, probs) in saved_signals.items():
                 if sig is not None:
                     self.signals[rid], self.probs[rid] = sig, probs
-
-    def _trace(self, reqs, name: str, names: list[str], nodes: list[int]) -> None:
-        """ENTMTP_TREE_TRACE=DIR: one JSON line per decode step in this rank's file, so ranks can be compared; with
-        the runtime state the step runs in ([draft levels, tokens per row of SGLang's layout]; null when resting),
-        the tree that set it (`tree`), each request's own tree (`trees`, in `rids` order) and, with ragged
-        verify, the tokens each row verifies (`nodes`; a resting row 1)."""
-        if self._trace_path is not None:
-            state = self._state
-            shape = None if state is None else [state.speculative_num_steps, state.speculative_num_draft_tokens]
-            line = {"step": self.steps, "tree": name, "state": shape, "rids": [r.rid for r in reqs], "trees": names}
-            if nodes:
-                line["nodes"] = nodes
-            with open(self._trace_path, "a") as f:
-                f.write(json.dumps(line) + "\n")
 
     def _pin(self, req) -> str | None:
         """The tree this request pins, if the set holds it (an unknown name is logged once and ignored)."""
@@ -722,11 +684,12 @@ class EntMtpWorker(EAGLEWorkerV2):
         The levels run on device tensors indexed by the tree's `TreeIndex` (tree_index.py); grammar masks and
         calibration records, when on, read the host between levels."""
         dw = self._draft_worker
-        plan, index = self._plan, self._tree_index
+        step = self._step
+        plan, index = step.plan, step.index
         spec_info = forward_batch.spec_info
         if forward_batch.forward_mode.is_idle():
             return dw._draft_forward_idle(forward_batch, spec_info)
-        rows = self._rows
+        rows = step.rows
         if rows is not None and rows.parent_list.shape[0] != spec_info.topk_index.shape[0]:
             raise RuntimeError(f"ENTMTP: per-row trees for {rows.parent_list.shape[0]} rows, the draft has "
                                f"{spec_info.topk_index.shape[0]}")
@@ -756,7 +719,7 @@ class EntMtpWorker(EAGLEWorkerV2):
             forward_batch.positions.add_(1)
             return out.next_token_logits.view(bs, topk, -1), out.hidden_states.view(bs, topk, -1)
 
-        row_plans = self._row_plans if rows is not None else [plan] * bs
+        row_plans = step.row_plans if rows is not None else [plan] * bs
 
         def on_level(level, top, logits, tokens):   # eager only: records and grammar masks read the host
             if self.observer is not None:
@@ -797,7 +760,7 @@ class EntMtpWorker(EAGLEWorkerV2):
             plan = plans[row]
             parents = plan.tree.parents
             col = plan.columns[level] if level < len(plan.columns) else ()
-            real = self._row_real[row] if self._row_real else plan.num_nodes
+            real = self._step.row_real[row] if self._step.row_real else plan.num_nodes
             for c, n in enumerate(col):
                 if n >= real:   # padding (ragged.pad_tree): never verified
                     continue
@@ -844,13 +807,3 @@ def _profiler(worker):
     prof.wrap(dw.draft_runner, "forward", "draft_forward")
     prof.wrap(worker.target_worker.model_runner, "forward", "target_forward")
     return prof
-
-
-def _trace_path(trace_dir: str | None) -> Path | None:
-    """This process's tree trace file under `trace_dir` (None: no trace), named by tensor-parallel rank and pid
-    (data-parallel replicas are separate processes with tp rank 0)."""
-    if not trace_dir:
-        return None
-    tp_rank = getattr(get_parallel(), "tp_rank", 0)
-    Path(trace_dir).mkdir(parents=True, exist_ok=True)
-    return Path(trace_dir) / f"trees-tp{tp_rank}-pid{os.getpid()}.jsonl"
