@@ -1,6 +1,6 @@
 """The tables of every SGLang function this package hooks and every method the worker replaces on an instance
-(`entmtp_sglang/sglang/patches.py`, and each hooking module's own `HOOKED`): each entry resolves in the installed
-SGLang with the parameters we rely on, and only a registered instance patch can be installed.
+(`entmtp_sglang/sglang/patches.py`, the only ones in the package): each entry resolves in the installed SGLang with
+the parameters we rely on, and only a registered instance patch can be installed.
 
 SGLang is imported inside the tests that need it (they skip without it), never when this module is collected.
 """
@@ -15,26 +15,53 @@ import pytest
 
 from entmtp_sglang.sglang import patches
 
-WORKER = Path(__file__).resolve().parents[1] / "entmtp_sglang" / "sglang" / "worker.py"
-
-
-def _hook_tables() -> dict[str, tuple[str, ...]]:
-    """Every HookRegistry target of the package, with its parameters: the plugin's and each hooking module's."""
-    from entmtp_sglang.sglang import admission, observe
-    from entmtp_sglang.sglang.cpu import linear, rowwise, sampling
-
-    out = dict(patches.HOOKED)
-    for module in (admission, observe, sampling, linear, rowwise):
-        out.update(module.HOOKED)
-    return out
+SGLANG_DIR = Path(__file__).resolve().parents[1] / "entmtp_sglang" / "sglang"
+WORKER = SGLANG_DIR / "worker.py"
 
 
 def test_every_hooked_function_resolves_with_its_parameters():
     from helpers.testing import import_sglang_or_skip
 
     import_sglang_or_skip("sglang.srt.plugins.hook_registry")
-    for dotted, params in _hook_tables().items():
+    for dotted, params in patches.HOOKED.items():
         patches.check_signature(dotted, params)
+
+
+def test_every_hooking_module_checks_its_entries_of_the_one_table():
+    """Each module's hooks are in `patches.HOOKED` (its names are the table's), with none left over."""
+    from entmtp_sglang.sglang import admission, observe, plugin
+    from entmtp_sglang.sglang.cpu import linear, rowwise, sampling
+
+    per_module = {
+        plugin: ("DRAFT_BACKEND_FACTORY", "OUTPUT_STREAMER", "PENALTIES"),
+        admission: ("VALIDATE", "RESERVED", "ROW_HEADROOM", "INPUT_LENGTH", "AVERAGE_ACCEPT"),
+        observe: ("SAMPLE",),
+        sampling: ("USES_GREEDY",),
+        linear: ("LINEAR_APPLY", "LM_HEAD"),
+        rowwise: ("RMSNORM", "SILU_AND_MUL", "ROPE"),
+    }
+    hooked = [getattr(module, name) for module, names in per_module.items() for name in names]
+    assert len(hooked) == len(set(hooked)) == len(patches.HOOKED) == 15
+    assert set(hooked) == set(patches.HOOKED)
+    assert patches.hooked(patches.SAMPLE) == {patches.SAMPLE: ("verify_input", "batch", "logits_output")}
+    with pytest.raises(KeyError):
+        patches.hooked("sglang.srt.not_in_the_table")
+
+
+def test_no_module_but_patches_keeps_a_hook_table():
+    """`patches.HOOKED` is the package's only table of hooked SGLang functions: no other module under
+    entmtp_sglang/sglang/ assigns a module-level `HOOKED`."""
+    found = []
+    for path in sorted(SGLANG_DIR.rglob("*.py")):
+        if path.name == "patches.py" and path.parent == SGLANG_DIR:
+            continue
+        for node in ast.parse(path.read_text()).body:
+            targets = (node.targets if isinstance(node, ast.Assign)
+                       else [node.target] if isinstance(node, (ast.AnnAssign, ast.AugAssign)) else [])
+            names = [n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            if "HOOKED" in names:
+                found.append(f"{path.relative_to(SGLANG_DIR)}:{node.lineno}")
+    assert found == []
 
 
 def test_every_instance_patch_resolves_with_its_parameters():

@@ -28,20 +28,8 @@ step) when no tree fits, so a request near the limit ends as plain decoding ends
 from __future__ import annotations
 
 from .config import PIN_KEY, EntMtpConfig
+from .patches import AVERAGE_ACCEPT, INPUT_LENGTH, RESERVED, ROW_HEADROOM, VALIDATE, hooked
 
-VALIDATE = "sglang.srt.managers.tokenizer_manager.TokenizerManager._validate_one_request"
-INPUT_LENGTH = "sglang.srt.managers.utils.validate_input_length"
-AVERAGE_ACCEPT = ("sglang.srt.managers.scheduler_components.internal_state."
-                  "SchedulerInternalStateController._average_accept_length")
-RESERVED = "sglang.srt.managers.utils.compute_num_reserved_tokens"
-ROW_HEADROOM = "sglang.srt.mem_cache.allocation_sizing.get_req_to_token_extra_context_len"
-HOOKED = {
-    VALIDATE: ("self", "obj", "input_ids"),
-    RESERVED: (),
-    ROW_HEADROOM: (),
-    INPUT_LENGTH: ("req", "max_req_input_len", "allow_auto_truncate"),
-    AVERAGE_ACCEPT: ("self",),
-}
 _SCALAR = (type(None), bool, int, float, str)
 
 
@@ -159,7 +147,7 @@ def row_headroom_around(original):
 def register_hooks(check_signature) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for dotted, params in HOOKED.items():
+    for dotted, params in hooked(VALIDATE, RESERVED, ROW_HEADROOM, INPUT_LENGTH, AVERAGE_ACCEPT).items():
         check_signature(dotted, params)
     HookRegistry.register(VALIDATE, validate_before, HookType.BEFORE)
     HookRegistry.register(INPUT_LENGTH, input_length_around, HookType.AROUND)

@@ -12,9 +12,8 @@ from __future__ import annotations
 import torch
 
 from ..policy.signals import entropy_nats
+from .patches import SAMPLE, hooked
 
-SAMPLE = "sglang.srt.speculative.eagle_utils.eagle_sample"
-HOOKED = {SAMPLE: ("verify_input", "batch", "logits_output")}
 _STATE: dict = {"enabled": False, "last": None}
 
 
@@ -46,6 +45,6 @@ def sample_after(result, *args, **kwargs):
 def register_hooks(check_signature) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for dotted, params in HOOKED.items():
+    for dotted, params in hooked(SAMPLE).items():
         check_signature(dotted, params)
     HookRegistry.register(SAMPLE, sample_after, HookType.AFTER)

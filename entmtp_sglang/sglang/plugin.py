@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from .patches import DRAFT_BACKEND_FACTORY, HOOKED, OUTPUT_STREAMER, PENALTIES, check_signature
+from .patches import DRAFT_BACKEND_FACTORY, OUTPUT_STREAMER, PENALTIES, check_signature, hooked
 
 logger = logging.getLogger("entmtp_sglang.sglang")
 
@@ -59,7 +59,7 @@ def _register_attention() -> None:
         choices.add_draft_attention_backend_choices([NAME])
     from .visibility import output_streamer_hook
 
-    for dotted, params in HOOKED.items():
+    for dotted, params in hooked(DRAFT_BACKEND_FACTORY, OUTPUT_STREAMER, PENALTIES).items():
         check_signature(dotted, params)
     HookRegistry.register(DRAFT_BACKEND_FACTORY, _draft_backend_around, HookType.AROUND)
     HookRegistry.register(OUTPUT_STREAMER, output_streamer_hook, HookType.AFTER)

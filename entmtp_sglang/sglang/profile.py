@@ -45,6 +45,7 @@ class StepProfiler:
             finally:
                 self.stages[stage] += time.perf_counter() - t0
 
+        # not a patches.py entry: a pass-through timer on one worker's objects (ENTMTP_PROFILE only), calling `fn`
         setattr(owner, attr, timed)
 
     def timed(self, stage: str):

@@ -23,15 +23,10 @@ import torch
 
 from ...kernels.fewrow_linear import FewRowWeight
 from ...model.linear import PackedWeight, applies, packed_linear
+from ..patches import LINEAR_APPLY, LM_HEAD, hooked
 
 logger = logging.getLogger(__name__)
 F32 = torch.float32
-LINEAR_APPLY = "sglang.srt.layers.quantization.unquant.UnquantizedLinearMethod.apply"
-LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
-HOOKED = {
-    LINEAR_APPLY: ("self", "layer", "x", "bias"),
-    LM_HEAD: ("self", "hidden_states", "lm_head", "embedding_bias"),
-}
 
 
 def _packed(module) -> PackedWeight:
@@ -106,7 +101,7 @@ def register_hooks(check_signature) -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for dotted, params in HOOKED.items():
+    for dotted, params in hooked(LINEAR_APPLY, LM_HEAD).items():
         check_signature(dotted, params)
     HookRegistry.register(LINEAR_APPLY, linear_apply, HookType.AROUND)
     HookRegistry.register(LM_HEAD, lm_head, HookType.AROUND)

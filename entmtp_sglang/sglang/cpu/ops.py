@@ -602,6 +602,7 @@ def install_if_missing(*, only_for_cpu_engine: bool = True) -> InstallOutcome:
     current = sys.modules.get("sgl_kernel")
     if current is not None and getattr(current, _STUB_MARKER, False):
         return InstallOutcome.STUB_PRESENT
+    # not a patches.py entry: provides a missing optional module (or its missing names), replaces nothing SGLang has
     try:
         real = importlib.import_module("sgl_kernel")
     except Exception as exc:  # ImportError, or OSError/RuntimeError from loading a CUDA build

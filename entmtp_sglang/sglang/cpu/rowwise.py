@@ -21,16 +21,9 @@ import os
 import torch
 
 from ...kernels import rowwise_ops as ops
+from ..patches import RMSNORM, ROPE, SILU_AND_MUL, hooked
 
 logger = logging.getLogger(__name__)
-RMSNORM = "sglang.srt.layers.layernorm.RMSNorm.forward_native"
-SILU_AND_MUL = "sglang.srt.layers.activation.SiluAndMul.forward_native"
-ROPE = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_native"
-HOOKED = {
-    RMSNORM: ("self", "x", "residual", "post_residual_addition", "quant_linear"),
-    SILU_AND_MUL: ("self", "x"),
-    ROPE: ("self", "positions", "query", "key", "offsets", "fused_set_kv_buffer_arg"),
-}
 F32 = torch.float32
 
 
@@ -101,7 +94,7 @@ def register_hooks(check_signature) -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for dotted, params in HOOKED.items():
+    for dotted, params in hooked(RMSNORM, SILU_AND_MUL, ROPE).items():
         check_signature(dotted, params)
     HookRegistry.register(RMSNORM, rmsnorm, HookType.AROUND)
     HookRegistry.register(SILU_AND_MUL, silu_and_mul, HookType.AROUND)

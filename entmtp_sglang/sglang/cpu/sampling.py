@@ -30,9 +30,9 @@ import os
 
 import torch
 
+from ..patches import USES_GREEDY, hooked
+
 ENV_CPU_SAMPLING = "ENTMTP_CPU_SAMPLING"
-USES_GREEDY = "sglang.srt.speculative.eagle_utils._verify_uses_greedy"
-HOOKED = {USES_GREEDY: ("is_all_greedy", "is_cpu", "is_hip", "is_xpu", "use_rejection_sampling")}
 # names eagle_utils imports from SGLang's kernel modules, which leave them None where no kernel is built (CPU)
 CPU_KERNELS = ("tree_speculative_sampling_target_only", "top_k_renorm_prob", "top_p_renorm_prob")
 
@@ -147,6 +147,7 @@ def _install_cpu_kernels() -> None:
     (only where None, so a platform with its own kernels keeps them)."""
     import sys
 
+    # not a patches.py entry: fills module attributes SGLang left None (no function of SGLang's is replaced)
     mod = sys.modules["sglang.srt.speculative.eagle_utils"]
     for name in CPU_KERNELS:
         if getattr(mod, name, None) is None:
@@ -156,6 +157,6 @@ def _install_cpu_kernels() -> None:
 def register_hooks(check_signature) -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    for dotted, params in HOOKED.items():
+    for dotted, params in hooked(USES_GREEDY).items():
         check_signature(dotted, params)
     HookRegistry.register(USES_GREEDY, uses_greedy_around, HookType.AROUND)
