@@ -58,6 +58,10 @@ def test_shard_layout_and_summary(built):
     assert summary["positions"] == summary["positions_planned"] == summary["tokens"] == sum(RECIPE.quota().values())
     assert 0 < summary["loss_mask_positions"] == summary["loss_mask_positions_planned"] < summary["positions"]
     assert summary["positions_by_source"] == RECIPE.quota()  # every source filled to its share
+    # progress per shard, its ETA rated on the shards' own compute time (a paused run's wall time would skew it)
+    progress = [ln for ln in (built / "build.log").read_text().splitlines() if "fixed-data: shard " in ln]
+    assert len(progress) == len(shards) and all("positions/s (median of the last" in ln and "ETA" in ln
+                                                for ln in progress)
     assert summary["bytes"] == sum(p.stat().st_size for p in shards)
     assert summary["self_distilled"]["present"] is False
     target = load_target(BUNDLED_MODEL)

@@ -57,6 +57,7 @@ import json
 import os
 import random
 import re
+import statistics
 import sys
 import textwrap
 import time
@@ -644,7 +645,7 @@ def build(model_dir: Path, recipe: Recipe, out_root: Path | None = None, documen
     log(f"fixed-data: {out} ({len(bounds) - len(todo)}/{len(bounds)} shards present, {todo_positions} positions "
         f"to compute; target {model_dir.name}, layers captured {list(capture)} + final norm, top-{recipe.top_k}, "
         f"{torch.get_num_threads()} threads on {_cpu_name()})")
-    t_run, done = time.time(), 0
+    done, rates = 0, []   # positions this run; each shard's positions/s (the ETA: their recent median)
     for count, i in enumerate(todo):
         if max_shards is not None and count >= max_shards:
             log(f"fixed-data: stopping after {max_shards} shards (--max-shards)")
@@ -677,10 +678,14 @@ def build(model_dir: Path, recipe: Recipe, out_root: Path | None = None, documen
         save_file(tensors, str(tmp), metadata=meta)
         os.replace(tmp, final)
         done += npos
-        rate = done / (time.time() - t_run)
+        # the median of the last shards' own rates: a run paused for a while (SIGSTOP while a benchmark needs the
+        # cores) or a shard that met a busy machine does not skew the ETA, as a rate over the run's wall time would
+        rates.append(npos / max(seconds, 1e-9))
+        rate = statistics.median(rates[-5:])
         left = todo_positions - done
         log(f"fixed-data: shard {i + 1}/{len(bounds)}: {npos} positions in {seconds:.1f} s; this run {done}/"
-            f"{todo_positions} at {rate:.0f} positions/s, ETA {_hms(left / rate)}")
+            f"{todo_positions} at {rate:.0f} positions/s (median of the last {min(len(rates), 5)} shards), "
+            f"ETA {_hms(left / rate)}")
         write_summary(out, bounds, recipe, plan, self_summary)
     summary = write_summary(out, bounds, recipe, plan, self_summary)
     log(f"fixed-data: {summary['shards_complete']}/{summary['shards']} shards, {summary['positions']} positions, "
