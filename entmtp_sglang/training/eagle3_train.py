@@ -361,8 +361,11 @@ def evaluate(draft, shards: dict[int, dict], ws: list[Window], t2d_index, steps:
 
 
 def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads: int = 0, save_every_s: float = 120.0,
-          echo: bool = True, max_batches: int | None = None) -> dict:
-    """Train (or resume) a run; returns the summary. `max_batches` stops early (tests)."""
+          echo: bool = True, max_batches: int | None = None, held_out: list[Path] | None = None,
+          draft_ids: torch.Tensor | None = None) -> dict:
+    """Train (or resume) a run; returns the summary. `max_batches` stops early (tests). `held_out` evaluates on
+    those shards and trains on every shard of `data`; `draft_ids` fixes the draft vocabulary (the ablation gives
+    its runs one held-out set and one vocabulary)."""
     from ..model.load import load_target
 
     if threads:
@@ -375,16 +378,16 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
     capture = tuple(recipe["capture_layers"])
     target = load_target(model_dir)
     target_cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    train_files, held_files = split(files)
+    train_files, held_files = (files, list(held_out)) if held_out else split(files)
     ckpt_path = run_dir / "ckpt.pt"
     state = torch.load(ckpt_path, weights_only=False) if ckpt_path.exists() else None
     if state is not None and state["config"] != asdict(cfg):
         log(f"resuming with the checkpoint's configuration {state['config']} (the command line's differs)")
         cfg = TrainConfig(**state["config"])
-    if state is None:
-        draft_ids = draft_vocabulary(train_files, cfg.draft_vocab, target.shape.vocab_size)
-    else:
+    if state is not None:
         draft_ids = state["draft_ids"]
+    elif draft_ids is None:
+        draft_ids = draft_vocabulary(train_files, cfg.draft_vocab, target.shape.vocab_size)
     draft = new_drafter(target_cfg, capture, draft_ids, cfg, target)
     t2d_index = torch.full((target.shape.vocab_size,), -1, dtype=torch.int64)
     t2d_index[draft_ids] = torch.arange(len(draft_ids))
@@ -406,7 +409,7 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
     for i, s in held_shards.items():
         held += windows(s["seq_lens"].tolist(), s["seq_source"].tolist(), i, cfg.window)
     held = random.Random(1).sample(held, min(cfg.eval_windows, len(held)))
-    if len(files) == 1:
+    if len(files) == 1 and not held_out:
         log("one shard only: evaluating on windows of the training shard (a smoke run)")
     total_positions = cfg.positions or sum(
         int(json.loads(_meta(f)["positions"])) for f in train_files)
@@ -450,10 +453,11 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
                 g["lr"] = lr_at(f)
             batch = batch_of(shard, group, t2d_index, FEATURES[cfg.kind])
             loss, stats = level_losses(draft, batch, cfg.steps)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, cfg.clip)
-            opt.step()
+            if torch.is_tensor(loss):  # a batch without supervised positions (prompt text only) trains nothing
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, cfg.clip)
+                opt.step()
             cursor["batch"] += 1
             batches_run += 1
             done_positions += sum(w.length for w in group)
