@@ -74,9 +74,11 @@ ENTMTP_ONE_TREE = SystemSpec("entmtp-one-tree", "ENTMTP", env=(("ENTMTP_PER_ROW_
 ENTMTP_NO_RAGGED = SystemSpec("entmtp-no-ragged", "ENTMTP", env=(("ENTMTP_RAGGED", "0"),))
 # without forced spans (the text a request's grammar decides, drafted below its tree): an ablation, not run unless named
 ENTMTP_NO_FORCED = SystemSpec("entmtp-no-forced", "ENTMTP", env=(("ENTMTP_FORCED_SPANS", "0"),))
+# ENTMTP with the EAGLE-3 drafter trained on fixed data (models/<model>/eagle3/, issue 38), where the model has one
+ENTMTP_EAGLE3 = SystemSpec("entmtp-eagle3", "ENTMTP", draft="eagle3")
 # stock and plain in every wave; ENTMTP's wave first, beside adaptive
 SYSTEMS = (STOCK, PLAIN, ENTMTP, *EAGLE_SGLANG_LAYERS)
-OPTIONAL = (ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED)
+OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED)
 EVERY_WAVE = (STOCK.name, PLAIN.name)
 DEFAULT = tuple(s.name for s in SYSTEMS)
 AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB

@@ -68,13 +68,14 @@ class SystemSpec:
     attention: str = "entmtp_torch"
     env: tuple[tuple[str, str], ...] = ()   # extra environment (e.g. ENTMTP_TREE_SET)
     args: tuple[str, ...] = ()              # extra server arguments (e.g. --speculative-token-map FILE)
+    draft: str = "eagle"                    # the drafter's folder in the model directory
 
     def server(self, log_dir: Path, device_args: tuple[str, ...], model: Path | None = None) -> SGLangServer:
         kw = {"model": Path(model)} if model else {}
         return SGLangServer.cpu(self.speculative, env=dict(self.env), **kw, steps=self.steps, topk=self.topk,
                                 draft_tokens=self.draft_tokens, adaptive=self.adaptive,
                                 attention=self.attention, log_path=log_dir / f"{self.name}.log",
-                                extra=device_args + self.args)
+                                extra=device_args + self.args, draft=self.draft)
 
     @property
     def stock(self) -> bool:

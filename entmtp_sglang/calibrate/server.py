@@ -56,23 +56,23 @@ def free_port() -> int:
 
 def cpu_args(speculative: str | None, *, model: Path = BUNDLED_MODEL, steps: int = 3, topk: int = 1,
              draft_tokens: int = 4, adaptive: bool = False, attention: str = "entmtp_torch",
-             max_total_tokens: int = 20000, extra: tuple[str, ...] = ()) -> list[str]:
-    """sglang.launch_server arguments for the bundled model on CPU."""
+             max_total_tokens: int = 20000, extra: tuple[str, ...] = (), draft: str = "eagle") -> list[str]:
+    """sglang.launch_server arguments for the bundled model on CPU; `draft`: the drafter's folder in `model`."""
     args = ["--model-path", str(model), "--device", "cpu", "--attention-backend", attention,
             "--disable-cuda-graph", "--max-total-tokens", str(max_total_tokens), "--sleep-on-idle",
             "--log-level", "info"]
     if speculative:
-        args += ["--speculative-algorithm", speculative, "--speculative-draft-model-path", str(model / "eagle")]
+        args += ["--speculative-algorithm", speculative, "--speculative-draft-model-path", str(model / draft)]
     if speculative == "EAGLE":
         args += ["--speculative-num-steps", str(steps), "--speculative-eagle-topk", str(topk),
                  "--speculative-num-draft-tokens", str(draft_tokens)]
         if adaptive:
             args.append("--speculative-adaptive")
-        if (model / "eagle" / "draft_vocab.safetensors").exists() and "--speculative-token-map" not in extra:
+        if (model / draft / "draft_vocab.safetensors").exists() and "--speculative-token-map" not in extra:
             # as ENTMTP does by itself (sglang/token_map.py): the drafter drafts over its own vocabulary
             from ..model.load import draft_token_map
 
-            args += ["--speculative-token-map", str(draft_token_map(model / "eagle"))]
+            args += ["--speculative-token-map", str(draft_token_map(model / draft))]
     return args + list(extra)
 
 

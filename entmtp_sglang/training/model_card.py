@@ -82,10 +82,42 @@ def measure(bundle, task: str, n: int, max_new: int, grammar_drafting: bool | No
     return out
 
 
-def write_card(path: Path, results: dict, meta: dict, training: dict) -> None:
+def fixed_data_section(records: dict[str, dict]) -> list[str]:
+    """The card's section on drafters trained on fixed data (their own `training.json`, written by
+    `training/smollm2_drafters.py`)."""
+    if not records:
+        return []
+    lines = ["## Drafters trained on fixed data", ""]
+    for kind, r in records.items():
+        d = r["data"]
+        by_source = ", ".join(f"{k} {v:,}" for k, v in sorted(d["positions_by_source"].items(), key=lambda x: -x[1]))
+        held = r["held_out"]
+        lines += [f"### {kind}", "",
+                  f"- `{r['command']}` (`make drafters-fixed`): {d['positions']:,} teacher-forced positions of fixed "
+                  f"text ({by_source}), {d['bytes'] / 2**30:.1f} GiB, {d['compute_seconds'] / 60:.0f} min of "
+                  f"compute on {d['cpu']}; the target's hidden states and its top-{d['recipe']['top_k']} next-token "
+                  "distribution at every position (`training/fixed_data.py`); no self-distilled data.",
+                  f"- Training: {r['positions']:,} positions of training-time test ({r['config']['steps']} levels) in "
+                  f"{r['seconds'] / 60:.0f} min; draft vocabulary {r['draft_vocab']} tokens; head frozen (the target's "
+                  f"rows); {r['shipped_bytes'] / 1e6:.1f} MB shipped in bf16.",
+                  f"- Held-out teacher-forced agreement with the target's top token per level (fixed text, shard "
+                  f"{', '.join(r['held_out_shards'])}): {' / '.join(f'{a:.3f}' for a in held['agreement'])}; level 1 "
+                  "by source: " + ", ".join(f"{k} {v:.2f}" for k, v in held["depth1_agreement_by_source"].items())
+                  + ".", ""]
+    return lines
+
+
+def write_card(path: Path, results: dict, meta: dict, training: dict, fixed: dict[str, dict] | None = None) -> None:
+    fixed = fixed or {}
+    self_kinds = [k for k in results if k not in fixed]
+    names = {"medusa": "Medusa heads", "hydra": "Hydra heads", "eagle": "a one-layer EAGLE drafter "
+             "(`LlamaForCausalLMEagle`, SGLang's layout)", "eagle3": "an EAGLE-3 drafter (`LlamaForCausalLMEagle3`)"}
+    listed = ", ".join(names.get(k, k) for k in self_kinds)
+    fixed_note = (" " + ", ".join(names.get(k, k) for k in fixed).capitalize() + " trained on fixed text with the "
+                  "target's own distributions (below).") if fixed else ""
     lines = [f"# Drafters for {meta['model']}", "",
-             "Medusa heads, Hydra heads and a one-layer EAGLE drafter (`LlamaForCausalLMEagle`, SGLang's layout), "
-             "trained here by self-distillation on the target's own greedy responses. None stores an "
+             f"{listed[:1].upper() + listed[1:]}, "
+             "trained here by self-distillation on the target's own greedy responses." + fixed_note + " None stores an "
              "embedding or output layer: they share the target's, restricted to a draft vocabulary of "
              f"{training.get('draft_vocab')} tokens ({training.get('draft_vocab_coverage', 0):.1%} of the "
              "training responses' tokens; FR-Spec / EAGLE-3's draft-to-target map). Each drafter records the "
@@ -101,6 +133,7 @@ def write_card(path: Path, results: dict, meta: dict, training: dict) -> None:
              "MT-Bench) and none of the shipped calibration or test prompts.",
              f"- Recipe: `make drafters`; seed {training.get('seed')}, {training.get('steps')} steps, "
              f"EAGLE unrolled {training.get('eagle_unroll')} steps on its own features.", "",
+             *fixed_data_section(fixed),
              "## Held-out evaluation", "",
              f"`{meta['command']}` ({meta['duration_s']} s, {meta['date']}): the first {meta['prompts']} "
              f"`test` prompts of each task, {meta['max_new_tokens']} new tokens, greedy (one batch per task). "
@@ -125,7 +158,8 @@ def write_card(path: Path, results: dict, meta: dict, training: dict) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--drafters", default="medusa,hydra,eagle")
+    p.add_argument("--drafters", default=",".join(k for k in ("medusa", "hydra", "eagle", "eagle3")),
+                   help="drafters to measure (default: medusa,hydra,eagle,eagle3; a missing one is an error)")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
@@ -151,7 +185,9 @@ def main(argv=None) -> int:
                        + " ".join(sys.argv[1:] if argv is None else argv),
             "duration_s": round(time.time() - t0), "date": time.strftime("%Y-%m-%d")}
     (out / "eval.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    write_card(out / "MODEL_CARD.md", results, meta, training)
+    fixed = {k: json.loads((out / k / "training.json").read_text()) for k in results
+             if (out / k / "training.json").exists()}
+    write_card(out / "MODEL_CARD.md", results, meta, training, {k: r for k, r in fixed.items() if "data" in r})
     print(f"wrote {out / 'MODEL_CARD.md'}")
     return 0
 
