@@ -13,7 +13,8 @@
                      decoding, or where EntMTP ran slower than plain on the task's calibration prompts
     oracle-<d>       the best tree of that same set at every step, in hindsight (the ceiling)
 
-<d> is medusa or hydra (the drafters with calibrated tree sets); eagle2-eagle uses the EAGLE drafter.
+<d> is medusa, hydra or eagle3 (SmolLM2's EAGLE-3, whose tree sets only SmolLM2 ships): the model's drafter of that
+kind, with its calibrated tree sets; eagle2-eagle uses the EAGLE drafter.
 """
 
 from __future__ import annotations
@@ -485,10 +486,11 @@ _KINDS = {
     "oracle": (_Oracle, "best tree of the EntMTP set at every step, in hindsight (ceiling)"),
 }
 assert set(_KINDS) <= set(POLICIES), "every reference system kind is a policy of policy/registry.py"
+_DRAFTER_NAMES = {"medusa": "medusa", "hydra": "hydra", "eagle3": "EAGLE-3"}
 for _kind, (_cls, _desc) in _KINDS.items():
-    for _drafter in ("medusa", "hydra"):
-        register_system(f"{_kind}-{_drafter}", "reference", f"{_desc}; {_drafter} drafter")(
-            lambda ctx, c=_cls, d=_drafter, desc=_desc: _with_desc(c(ctx, d), f"{desc}; {d} drafter"))
+    for _drafter, _name in _DRAFTER_NAMES.items():
+        register_system(f"{_kind}-{_drafter}", "reference", f"{_desc}; {_name} drafter")(
+            lambda ctx, c=_cls, d=_drafter, desc=_desc, n=_name: _with_desc(c(ctx, d), f"{desc}; {n} drafter"))
 register_system("eagle2-eagle", "reference", f"{_KINDS['eagle2'][1]}; EAGLE drafter")(
     lambda ctx: _with_desc(_Eagle2(ctx, "eagle"), f"{_KINDS['eagle2'][1]}; EAGLE drafter"))
 
