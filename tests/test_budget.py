@@ -555,8 +555,11 @@ def test_online_refit_drops_warmups_and_refits_when_due():
         online.observe(s.total_tokens, s.max_depth, s.batch_size, s.seconds)
     assert online.cost is None and not online.due()
     online.observe(5, 1, 1, None)   # counted, not timed
-    warmups = len({(s.max_depth, s.batch_size) for s in steps})
-    assert len(online.observed()) == len(steps) - warmups and online.steps == len(steps) + 1 and online.due()
+    kept = {p: len(t) for p, t in online.times.items()}
+    assert sum(kept.values()) == len(steps) - len({(s.max_depth, s.batch_size) for s in steps})   # warm-ups dropped
+    # a point timed fewer than 3 times gives its fastest step only (online.ROBUST), the rest every kept step
+    assert len(online.observed()) == sum(n if n >= 3 else 1 for n in kept.values())
+    assert online.steps == len(steps) + 1 and online.due()
     got = online.refit()
     assert online.cost is got and not online.due()
     for k, v in TRUE.to_json().items():
@@ -568,6 +571,22 @@ def test_online_refit_drops_warmups_and_refits_when_due():
     for _ in range(3):
         online.observe(4, 1, 2, TRUE(4, 1, 2))
     assert online.refit().line(10, 2, 4) == pytest.approx(TRUE.line(10, 2, 4))
+
+
+def test_one_slow_ragged_step_does_not_price_its_point_out():
+    """A point timed once or twice is priced by its fastest step: one step that met a busy machine (10x) must not
+    make every step of its shape look dear (the failure online.py's ROBUST fixed for per-tree costs)."""
+    online = OnlineRaggedCost()
+    points = [(4, 1, 2), (6, 2, 2), (9, 2, 4), (12, 3, 4)]
+    for p in points:
+        online.observe(*p, TRUE(*p))   # the warm-up of each (depth, batch), dropped
+        online.observe(*p, TRUE(*p))
+    online.observe(9, 2, 4, 10 * TRUE(9, 2, 4))   # the point's second time: a busy machine
+    got = online.refit()
+    assert got(9, 2, 4) == pytest.approx(TRUE(9, 2, 4), rel=1e-6)
+    for _ in range(3):   # from three times on, the median prices it
+        online.observe(9, 2, 4, 2 * TRUE(9, 2, 4))
+    assert online.refit()(9, 2, 4) > 1.5 * TRUE(9, 2, 4)
 
 
 def test_allocating_with_a_fitted_cost_equals_brute_force():

@@ -160,3 +160,23 @@ def test_the_controller_rests_a_row_beside_a_speculating_one():
     assert (key, ids) == ((4, 5), (2, 0))
     key, ids = c.choose_ragged([RequestInput("json", 0.9), RequestInput("chat", 0.1, pin="chain:4")], shapes)
     assert ids == (2, 2)
+
+
+def test_an_online_ragged_cost_replaces_the_sets_line():
+    """Once the server has fitted its own ragged step cost (`set_ragged_cost`), the controller prices ragged steps
+    by it: where its verified tokens cost as much as a step, every row rests; back on the set's line, the confident
+    row drafts again."""
+    entries = (TreeEntry(Tree.chain(0), (0.0, 0.0), {2: 0.010}),
+               TreeEntry(Tree((-1, 0, 0), name="fan3"), (0.05, 0.6), {2: 0.016}),
+               TreeEntry(Tree.chain(4), (0.02, 2.4), {2: 0.020}),
+               TreeEntry(Tree.chain(2), (0.03, 1.5), {2: 0.016}))
+    ts = TreeSet("m", "eagle", "t", "draft_margin", (0.5,), entries)
+    trees = [e.tree for e in entries]
+    shapes = {key: (key[0], frozenset(s.trees)) for key, s in ShapeIndex.for_trees(trees, TOPK, ragged=True).items()}
+    c = TreeController(ts, hysteresis=0.0)
+    batch = [RequestInput("json", 0.9), RequestInput("chat", 0.1)]
+    assert c.choose_ragged(batch, shapes)[1] == (2, 0)
+    c.set_ragged_cost(RaggedStepCost(0.001, 0.010, 0.0))   # a verified token costs what a step does
+    assert c.choose_ragged(batch, shapes)[1] == (0, 0)
+    c.set_ragged_cost(None)
+    assert c.choose_ragged(batch, shapes)[1] == (2, 0)

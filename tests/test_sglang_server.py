@@ -85,6 +85,10 @@ def test_entmtp_greedy_equals_sglang_plain_at_batch_8(servers, reference):
     mismatches = [p[:60] for p, o in zip(ps, outs) if o["output_ids"] != reference[p]]
     assert not mismatches, mismatches
     assert any(o["meta_info"].get("spec_verify_ct") for o in outs)
+    # the server timed its ragged and resting steps and prices ragged steps by its own fit (worker._time_ragged)
+    fits = re.findall(r"ENTMTP ragged step cost timed in this server \((\d+) steps\): (\{.*\})", ent.log_text())
+    print("ragged step cost fits:", fits[-1:] if fits else "none")
+    assert fits, ent.log_tail()
 
 
 def test_both_servers_take_the_machines_batch_invariant_linear_path(servers):

@@ -15,7 +15,9 @@ budget's greedy exact.
 count, as `online.fit_costs` weighs its points) by non-negative least squares; with fewer than three distinct
 speculating points it scales a prior instead. `OnlineRaggedCost` is the refit a serving worker runs, in the manner
 of `online.OnlineCalibration.observe_time`: the first step of each (depth, batch) shape is a warm-up and is
-dropped, each point keeps its last `RECENT` times, and every `refit_every` steps `refit` fits again.
+dropped, each point keeps its last `RECENT` times (priced by its fastest while fewer than `online.ROBUST`), and
+every `refit_every` steps `refit` fits again. The SGLang worker feeds it every ragged step and every resting step
+(`sglang/worker.py`), and the policy prices ragged steps by its fit once there is one.
 """
 
 from __future__ import annotations
@@ -212,7 +214,12 @@ class OnlineRaggedCost:
         return self.steps >= (self.refits + 1) * self.refit_every
 
     def observed(self) -> list[RaggedStep]:
-        return [RaggedStep(*p, s) for p, times in self.times.items() for s in times]
+        """The kept steps; a point timed fewer than `online.ROBUST` times gives only its fastest step (noise only
+        adds time: one step that met a busy machine must not price a point out, as online.py does per shape)."""
+        from .online import ROBUST
+
+        return [RaggedStep(*p, s) for p, times in self.times.items()
+                for s in (times if len(times) >= ROBUST else [min(times)])]
 
     def refit(self) -> RaggedStepCost | None:
         """The model fitted on the steps kept so far (the current one while too few were measured and there is

@@ -196,8 +196,9 @@ class TreeController:
         """Each request its own tree and its own node count inside one of the engine's step shapes (`shapes`:
         key -> (draft levels D, the tree ids a row may take in it)), a resting row (chain:0) beside speculating
         ones: `budget.allocate_ragged` under the set's step costs as a line in the tokens actually verified
-        (`ragged_cost.tree_set_cost`). Returns (shape key, per-request tree ids); every id chain:0 means the step
-        decodes without speculation (and the group's rest is scheduled). None when no tree fits the room."""
+        (`ragged_cost.tree_set_cost`), or under the engine's own fit on its ragged steps (`set_ragged_cost`).
+        Returns (shape key, per-request tree ids); every id chain:0 means the step decodes without speculation
+        (and the group's rest is scheduled). None when no tree fits the room."""
         from ..calibrate.ragged_cost import tree_set_cost
 
         if not requests:
@@ -206,13 +207,24 @@ class TreeController:
         options = request_options(self, requests, {r.key: self.current[r.key] for r in requests
                                                    if r.key in self.current})
         batch = rows or len(requests)
-        cached = self.__dict__.get("_ragged_cost")
-        if cached is None or cached[0] is not self.tree_set or cached[1] != batch:   # refit sets replace the set
-            cached = self.__dict__["_ragged_cost"] = (self.tree_set, batch, *tree_set_cost(self.tree_set, batch))
-        line, measured = cached[2], cached[3]
-        key, alloc = allocate_ragged(options, shapes, lambda total, depth, b: line(total * measured / b, depth,
-                                                                                    measured), budget_config(self))
+        online = self.__dict__.get("ragged_cost")   # fitted on this server's own ragged steps (set_ragged_cost)
+        if online is not None:
+            cost = online
+        else:
+            cached = self.__dict__.get("_ragged_cost")
+            if cached is None or cached[0] is not self.tree_set or cached[1] != batch:   # refit sets replace it
+                cached = self.__dict__["_ragged_cost"] = (self.tree_set, batch, *tree_set_cost(self.tree_set, batch))
+            line, measured = cached[2], cached[3]
+
+            def cost(total, depth, b):
+                return line(total * measured / b, depth, measured)
+        key, alloc = allocate_ragged(options, shapes, cost, budget_config(self))
         return key, self._take(requests, alloc, group)
+
+    def set_ragged_cost(self, cost) -> None:
+        """Price ragged steps (`choose_ragged`) by `cost` (a `ragged_cost.RaggedStepCost` fitted on the engine's own
+        timed steps) instead of the tree set's per-tree costs; None goes back to the set's."""
+        self.__dict__["ragged_cost"] = cost
 
     def _schedule_rest(self, group: Hashable, backed_off: bool) -> None:
         """After the group's choice: a back-off to chain:0 rests the drafter 1, 2, 4, ... (at most `max_rest`)

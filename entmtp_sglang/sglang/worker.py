@@ -54,6 +54,7 @@ import time
 import torch
 
 from ..calibrate.online import OnlineCalibration
+from ..calibrate.ragged_cost import OnlineRaggedCost
 from ..policy.controller import RequestInput, TreeController
 from ..policy.signals import draft_signal, least_predictable, top_probs
 from ..tree.acceptance import AcceptancePredictor
@@ -175,6 +176,10 @@ class EntMtpWorker(EAGLEWorkerV2):
         single = int(getattr(server_args, "tp_size", 1) or 1) == 1
         self.costs = (OnlineCalibration(self.tree_set, refit_every=COST_REFIT_EVERY)
                       if self.config.online_costs and single and not online else None)
+        # the cost of a ragged step (tokens verified, draft levels, rows) fitted on this server's own ragged and
+        # resting steps; the policy prices ragged steps by it once fitted (the set's per-tree costs until then)
+        self.ragged_costs = (OnlineRaggedCost(refit_every=COST_REFIT_EVERY)
+                             if self.config.online_costs and single else None)
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
         self.telemetry = StepTelemetry(trace_path(os.environ.get(ENV_TREE_TRACE),
                                                   getattr(get_parallel(), "tp_rank", 0)),
@@ -317,6 +322,8 @@ class EntMtpWorker(EAGLEWorkerV2):
                 self._observe(batch, seconds)
             if self.costs is not None and self._step.chosen is not None and self._step.ragged is None:
                 self._time_step(len(batch.reqs), seconds)   # (a ragged step is not its shape tree's full step)
+            if self.ragged_costs is not None:
+                self._time_ragged(len(batch.reqs), seconds)
         self._record_signals(batch)
         if prof is not None:
             prof.end_step(tree=REST if self._step.resting else self._step.name, bs=len(batch.reqs))
@@ -342,6 +349,23 @@ class EntMtpWorker(EAGLEWorkerV2):
         if costs.due():
             self.tree_set = self.controller.tree_set = costs.refit_costs()
             logger.info("ENTMTP step costs timed in this server (%d steps): %s", costs.steps, costs.summary())
+
+    def _time_ragged(self, rows: int, seconds: float) -> None:
+        """A ragged step (its tokens and draft levels) or a resting step (one token a row, no levels) into the
+        online ragged cost; at each refit the policy takes the new fit (`TreeController.set_ragged_cost`)."""
+        step = self._step
+        if step.ragged is not None and step.drafts:
+            self.ragged_costs.observe(step.ragged.total_tokens, step.num_steps, rows, seconds)
+        elif not step.drafts:   # a resting or plain step: one token a row
+            self.ragged_costs.observe(rows, 0, rows, seconds)
+        else:
+            return
+        rc = self.ragged_costs
+        if rc.due():
+            cost = rc.refit()
+            if cost is not None:
+                self.controller.set_ragged_cost(cost)
+                logger.info("ENTMTP ragged step cost timed in this server (%d steps): %s", rc.steps, cost.to_json())
 
     def _choose(self, batch) -> None:
         """The step's decision (step.py), made once: the rules that make a step rest (penalties, positions owed
