@@ -214,8 +214,8 @@ def _add_calibrate(sub) -> None:
                         "grammar-masked entropy and ranks; writes ...-json-grammar.json")
     p.add_argument("--out", type=Path, default=None,
                    help="output JSON (default: trees/<model>-<drafter>-<task>.json in the repository; with "
-                        "--engine sglang: <model>-eagle-<task>-sglang.json here, the name ENTMTP serves first "
-                        "when it is in trees/)")
+                        "--engine sglang: <model>-<eagle or eagle3, the draft's kind>-<task>-sglang.json here, "
+                        "the name ENTMTP serves first when it is in trees/)")
     p.add_argument("--from-records", action="store_true",
                    help="reuse the acceptance records saved next to the output (...records.jsonl; else those of "
                         "the default output) instead of decoding again; only the step costs are measured anew")
@@ -357,7 +357,7 @@ def _calibrate_sglang(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = args.out or Path(f"{cal.model_name}-eagle-{task}-sglang.json")   # the shipped name of such a set
+    out = args.out or Path(f"{cal.model_name}-{cal.drafter_kind}-{task}-sglang.json")   # the shipped name
     with tqdm(total=len(items), desc=f"calibrate {cal.model_name} through SGLang", unit="prompt") as bar:
         try:
             ts = run(cal, items, out, log=tqdm.write, progress=bar)

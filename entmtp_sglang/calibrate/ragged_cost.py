@@ -234,7 +234,12 @@ def tree_set_cost(tree_set, batch_size: int) -> tuple[RaggedStepCost, int]:
     """The ragged cost line of a tree set's per-tree step costs, at the measured batch size m nearest
     `batch_size`: each speculating tree a step of m * nodes tokens at its depth, chain:0 the plain step; returns
     (cost, m). A set's costs were timed on padded `m x N` verifies, so the line prices a ragged step by its
-    tokens; with fewer than MIN_POINTS speculating points, a line through the origin at the dearest per token."""
+    tokens; with fewer than MIN_POINTS speculating points, a line through the origin at the dearest per token. A set
+    calibrated through SGLang with ragged steps (`provenance["ragged_step_cost"]`, through_sglang.ragged_cost)
+    gives that fit itself, at `batch_size`."""
+    fitted = tree_set.provenance.get("ragged_step_cost")
+    if fitted:
+        return RaggedStepCost.from_json(fitted), max(1, batch_size)
     entries = tree_set.trees
     m = min({b for e in entries for b in e.cost_seconds},
             key=lambda b: abs(math.log(b) - math.log(max(1, batch_size))))

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import concurrent.futures as cf
+import dataclasses
 import json
 import statistics
 import tempfile
@@ -33,6 +34,7 @@ from ..tree.treeset import TreeEntry, TreeSet
 from . import provenance
 from .build import build_tree_set, pearson, plot_pareto, signals_of
 from .costs import StepCostModel, cost_grid, fit_cost_models
+from .ragged_cost import MIN_POINTS, RaggedStep, RaggedStepCost, fit_ragged_cost
 from .records import CalibrationConfig, save_records
 
 RECORD_TREE = "record"
@@ -155,6 +157,12 @@ class SGLangCalibration:
     def model_name(self) -> str:
         return Path(str(self.model_path).rstrip("/")).name
 
+    @property
+    def drafter_kind(self) -> str:
+        """eagle3 for an EAGLE-3 draft checkpoint (by its architecture), else eagle: the set's drafter and name."""
+        cfg = json.loads((Path(self.draft_path) / "config.json").read_text())
+        return "eagle3" if any("Eagle3" in a for a in cfg.get("architectures") or ()) else "eagle"
+
     def server_args(self) -> list[str]:
         attention = self.attention_backend or ("entmtp_torch" if self.device == "cpu" else None)
         args = ["--model-path", str(self.model_path), "--speculative-algorithm", "ENTMTP",
@@ -215,16 +223,36 @@ def cost_models(steps: list[dict], grid: list[Tree], batch_sizes, log=print) -> 
     return fit_cost_models(grid, batch_sizes, median, f"in SGLang, {len(grid)} trees", log)
 
 
-def _decode_all(server, texts: list[str], tree: str, max_new: int, concurrency: int, progress=None) -> None:
+def _decode_all(server, texts: list[str], tree: str | list[str], max_new: int, concurrency: int,
+                progress=None) -> None:
+    """Decode `texts` with every request pinning `tree` (a list: request i pins tree[i])."""
     from ..sglang.config import PIN_KEY
 
-    def one(text: str) -> None:
-        server.generate(text, max_new, 0.0, custom_params={PIN_KEY: tree})
+    pins = tree if isinstance(tree, list) else [tree] * len(texts)
+
+    def one(job: tuple[str, str]) -> None:
+        server.generate(job[0], max_new, 0.0, custom_params={PIN_KEY: job[1]})
         if progress is not None:
             progress.update(1)
 
     with cf.ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(one, texts))
+        list(pool.map(one, zip(texts, pins)))
+
+
+def ragged_cost(steps: list[dict], log=print) -> RaggedStepCost | None:
+    """The ragged step cost (calibrate/ragged_cost.py) fitted on the recorded ragged steps (each request its own
+    tree and node count) and the plain steps (chain:0) of every batch size; None with too few points to fit."""
+    timed = [RaggedStep(s["tokens"], s["depth"], s["batch"], s["seconds"]) for s in steps if s["tree"] == "ragged"]
+    timed += [RaggedStep(s["batch"], 0, s["batch"], s["seconds"]) for s in steps if s["tree"] == "chain:0"]
+    points = {t.point for t in timed if t.max_depth > 0}
+    if len(points) < MIN_POINTS:
+        log(f"ragged step cost: {len(points)} distinct ragged steps measured, too few to fit (the set's per-tree "
+            "costs price ragged steps)")
+        return None
+    cost = fit_ragged_cost(timed)
+    log(f"ragged step cost from {sum(t.max_depth > 0 for t in timed)} ragged steps at {len(points)} points: "
+        f"{cost.to_json()}")
+    return cost
 
 
 def run(cal: SGLangCalibration, items: list[dict], out: Path, log=print, progress=None) -> TreeSet:
@@ -253,13 +281,17 @@ def run(cal: SGLangCalibration, items: list[dict], out: Path, log=print, progres
             for _ in range(TIMING_ROUNDS):
                 for t in grid:
                     _decode_all(server, batch, t.name, TIMING_TOKENS, b)
-    models = cost_models(read_steps(steps_file), grid, cal.batch_sizes, log)
-    cfg = CalibrationConfig("eagle", cal.task, len(texts), cal.max_new_tokens, max_depth=cal.max_depth,
+    steps = read_steps(steps_file)
+    models = cost_models(steps, grid, cal.batch_sizes, log)
+    ragged = ragged_cost(steps, log)   # ragged steps, where the recording server made any
+    cfg = CalibrationConfig(cal.drafter_kind, cal.task, len(texts), cal.max_new_tokens, max_depth=cal.max_depth,
                             num_bins=cal.bins)
     ts, points = build_tree_set(None, records, texts, cfg, log=log, signal=best_signal(records), models=models,
                                 model_name=cal.model_name,
                                 hardware_name=f"{cal.device} via SGLang ({cal.dtype}, {cal.algorithm} drafter "
                                               f"{Path(cal.draft_path).name})")
+    if ragged is not None:
+        ts = dataclasses.replace(ts, provenance={**ts.provenance, "ragged_step_cost": ragged.to_json()})
     out.parent.mkdir(parents=True, exist_ok=True)
     ts.save(out)
     save_records(records, out.with_suffix(".records.jsonl"))

@@ -103,9 +103,18 @@ class StepObserver:
             self._roots = {k: v for k, v in self._roots.items() if k in live}
             self._ids = {k: v for k, v in self._ids.items() if k in live}
 
-    def step(self, reqs, plan, chosen: int | None, seconds: float, verified) -> None:
-        """After verification: `verified` = (target argmax (bs, nodes in verify order), root entropy (bs,))."""
+    def step(self, reqs, plan, chosen: int | None, seconds: float, verified,
+             ragged: tuple[int, int] | None = None) -> None:
+        """After verification: `verified` = (target argmax (bs, nodes in verify order), root entropy (bs,));
+        `ragged` = (tokens verified, draft levels) of a ragged step (each row its own node count), which records no
+        positions but is timed in the file (`tokens`, `depth`: the calibration's ragged step cost)."""
         expanded, tokens, self._expanded, self._tokens = self._expanded, self._tokens, {}, {}
+        if ragged is not None:   # not the shape tree's full step (its time) nor its nodes (its records)
+            if self.file is not None:
+                self.file.write(json.dumps({"tree": "ragged", "batch": len(reqs), "seconds": round(seconds, 6),
+                                            "tokens": ragged[0], "depth": ragged[1], "records": []}) + "\n")
+                self.file.flush()
+            return
         if self.online is not None and chosen is not None:
             self.online.observe_time(chosen, len(reqs), seconds if self.timed else None)
         if verified is None:

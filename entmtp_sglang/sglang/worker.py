@@ -332,7 +332,9 @@ class EntMtpWorker(EAGLEWorkerV2):
     def _observe(self, batch, seconds: float) -> None:
         obs = self.observer
         try:
-            obs.step(batch.reqs, self._step.plan, self._step.chosen, seconds, observe.take())
+            step = self._step
+            ragged = (step.ragged.total_tokens, step.num_steps) if step.ragged is not None and step.drafts else None
+            obs.step(batch.reqs, step.plan, step.chosen, seconds, observe.take(), ragged)
             if obs.online is not None and obs.online.due():
                 ts = obs.online.refit()
                 self.tree_set = self.controller.tree_set = ts
