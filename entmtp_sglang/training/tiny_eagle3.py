@@ -53,15 +53,20 @@ def card_section(summary: dict) -> str:
 """
 
 
-def write_card(card: Path, summary: dict) -> None:
+def replace_section(card: Path, heading: str, section: str) -> None:
+    """Put `section` (starting with `heading`) in the card in place of the section under that heading, or append it."""
     text = card.read_text()
-    if CARD_HEADING in text:
-        head, _, rest = text.partition(CARD_HEADING)
+    if heading in text:
+        head, _, rest = text.partition(heading)
         nxt = rest.find("\n## ")
-        text = head + card_section(summary) + (rest[nxt + 1:] if nxt >= 0 else "")
+        text = head + section + (rest[nxt + 1:] if nxt >= 0 else "")
     else:
-        text = text.rstrip("\n") + "\n\n" + card_section(summary)
+        text = text.rstrip("\n") + "\n\n" + section
     card.write_text(text)
+
+
+def write_card(card: Path, summary: dict) -> None:
+    replace_section(card, CARD_HEADING, card_section(summary))
 
 
 def run(model_dir: Path, work: Path, out: Path, threads: int = 0) -> dict:

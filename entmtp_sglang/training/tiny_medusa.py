@@ -246,14 +246,9 @@ def card_section(summary: dict) -> str:
 
 
 def write_card(card: Path, summary: dict) -> None:
-    text = card.read_text()
-    if CARD_HEADING in text:
-        head, _, rest = text.partition(CARD_HEADING)
-        nxt = rest.find("\n## ")
-        text = head + card_section(summary) + (rest[nxt + 1:] if nxt >= 0 else "")
-    else:
-        text = text.rstrip("\n") + "\n\n" + card_section(summary)
-    card.write_text(text)
+    from .tiny_eagle3 import replace_section
+
+    replace_section(card, CARD_HEADING, card_section(summary))
 
 
 # -- the run -------------------------------------------------------------------------------------------------------
