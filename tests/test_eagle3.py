@@ -166,6 +166,25 @@ def test_a_short_run_learns_resumes_and_exports(shards, tmp_path):
     assert loaded.target_layers == (1, 3, 5)  # fixed_data's capture for 6 layers (SGLang's [2, 3, 3] repeats one)
 
 
+def test_a_fine_tune_starts_from_another_runs_weights(shards, tmp_path):
+    cfg = et.TrainConfig(steps=2, window=48, batch_tokens=384, lr=3e-3, draft_vocab=512, positions=2500,
+                         eval_windows=8)
+    base = et.train(shards, BUNDLED_MODEL, tmp_path / "base", cfg, echo=False)
+    fresh = et.train(shards, BUNDLED_MODEL, tmp_path / "fresh", cfg, echo=False, max_batches=1)
+    tuned = et.train(shards, BUNDLED_MODEL, tmp_path / "tuned", cfg, echo=False, max_batches=1,
+                     init_from=tmp_path / "base")
+    assert "starting from" in (tmp_path / "tuned" / "train.log").read_text()
+    assert tuned["init_from"] == str(tmp_path / "base") and fresh["init_from"] is None
+    # one batch from the trained weights is far better than one batch from scratch
+    assert tuned["held_out"]["loss"][0] < fresh["held_out"]["loss"][0] - 0.3
+    assert abs(tuned["held_out"]["loss"][0] - base["held_out"]["loss"][0]) < 0.5
+    start = torch.load(tmp_path / "base" / "ckpt.pt", weights_only=False)["draft_ids"]
+    assert torch.equal(torch.load(tmp_path / "tuned" / "ckpt.pt", weights_only=False)["draft_ids"], start)
+    with pytest.raises(ValueError, match="eagle3 drafter"):
+        et.train(shards, BUNDLED_MODEL, tmp_path / "other", et.TrainConfig(**{**et.asdict(cfg), "kind": "eagle"}),
+                 echo=False, max_batches=1, init_from=tmp_path / "base")
+
+
 def test_the_eagle_drafter_trains_on_the_same_shards(shards, tmp_path):
     from entmtp_sglang.model.drafters import EagleDraft
 
@@ -307,3 +326,33 @@ def test_the_bundled_eagle_drafter_stores_no_embedding():
     target = load_target(BUNDLED_MODEL)
     draft = load_drafter(BUNDLED_MODEL, "eagle", target=target)
     assert torch.equal(draft.embed_tokens.weight, target.model.embed_tokens.weight)
+
+
+def test_the_recipe_records_a_fine_tune_on_the_targets_own_answers(tmp_path):
+    from entmtp_sglang.training import smollm2_drafters as sd
+
+    data = tmp_path / "data"
+    data.mkdir()
+    keys = ("recipe", "recipe_hash", "positions", "loss_mask_positions", "positions_by_source", "bytes",
+            "compute_seconds", "positions_per_second", "cpu", "torch")
+    (data / "summary.json").write_text(json.dumps({k: 1 for k in keys}))
+    runs = {}
+    for name, positions, agree in (("fixed", 2_000_000, [0.35]), ("own", 400_000, [0.45])):
+        d = runs[name] = tmp_path / name
+        (d / "shipped").mkdir(parents=True)
+        (d / "shipped" / "model.safetensors").write_bytes(b"w" * 100)
+        (d / "summary.json").write_text(json.dumps({
+            "config": {"lr": 6e-4 if name == "fixed" else 2e-4}, "positions": positions, "seconds": 60.0,
+            "capture_layers": [2, 15, 27], "draft_vocab": 8192, "held_out_shards": [name],
+            "held_out": {"agreement": agree}}))
+    out = tmp_path / "installed"
+    plain = sd.install(runs["fixed"], "eagle3", data, out)
+    assert plain["positions"] == 2_000_000 and plain["self_distilled"].startswith("none")
+    rec = sd.install(runs["own"], "eagle3", data, out,
+                     {"prompts": 1000, "supervised": 90_000, "init_from": str(runs["fixed"])})
+    # the fixed-data run's own figures stay at the top; the fine-tune's are under self_distilled
+    assert rec["positions"] == 2_000_000 and rec["held_out"]["agreement"] == [0.35]
+    tuned = rec["self_distilled"]
+    assert tuned["prompts"] == 1000 and tuned["positions"] == 400_000 and tuned["held_out"]["agreement"] == [0.45]
+    assert tuned["config"]["lr"] == 2e-4 and tuned["init_from"] == str(runs["fixed"])
+    assert json.loads((out / "training.json").read_text()) == rec and rec["shipped_bytes"] == 100

@@ -10,7 +10,7 @@ import pytest
 
 from entmtp_sglang.calibrate.costs import cost_grid
 from entmtp_sglang.calibrate.online import OnlineCalibration, StepObservation, fit_costs, position_record
-from entmtp_sglang.calibrate.through_sglang import record_tree, records_of, step_seconds
+from entmtp_sglang.calibrate.through_sglang import mixed_pins, record_tree, records_of, step_seconds
 from entmtp_sglang.policy.controller import RequestInput, TreeController
 from entmtp_sglang.sglang.config import EntMtpConfig
 from entmtp_sglang.sglang.recording import record_row
@@ -149,6 +149,18 @@ def test_recording_trees_fit_sglang_buffers():
     grid = cost_grid(5)
     assert {(g.num_nodes, g.max_depth) for g in grid} >= {(1, 0), (2, 1), (16, 5)}
     assert max(required_topk(g) for g in grid) == 3
+
+
+@pytest.mark.parametrize("batch", [2, 4, 16])
+def test_mixed_pins_make_ragged_steps_at_varied_depths(batch):
+    grid = cost_grid(3)
+    by_name = {t.name: t for t in grid}
+    rounds = mixed_pins(grid, batch, 6)
+    assert len(rounds) == 6 and all(len(r) == batch for r in rounds)
+    for pins in rounds:   # every batch mixes node counts: its rows verify different numbers of tokens
+        assert len({by_name[p].num_nodes for p in pins}) > 1, pins
+    deepest = {max(by_name[p].max_depth for p in pins) for pins in rounds}
+    assert len(deepest) >= 2, deepest   # the batch's deepest level varies across rounds
 
 
 def test_recorded_steps_round_trip():

@@ -10,7 +10,10 @@
    top candidates and the drafter's probabilities (ranks the tree cannot tell are -1 and count as misses).
 3. Time every grid tree inside the same server, pinned, at each batch size asked for, the trees in
    rotation (so load from elsewhere hits them alike), and fit seconds = base + per_node * nodes +
-   per_depth * depth per batch size on each tree's median step time.
+   per_depth * depth per batch size on each tree's median step time. Then decode batches whose rows pin
+   different grid trees (`mixed_pins`): the server verifies each row's own node count (ragged steps), and
+   the ragged step cost (`ragged_cost.fit_ragged_cost`) is fitted on them and stored in the set's provenance,
+   where the batch budget prices ragged steps by it until the server's own online fit takes over.
 4. Build the tree set as the offline calibration does (`build.build_tree_set`: bins of the draft signal
    that best predicts acceptance, greedy trees per bin and budget, Pareto-optimal ones kept, the per-node
    acceptance predictor fitted), named for the served model so ENTMTP accepts it, with its Pareto plot and
@@ -22,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import dataclasses
 import json
+import math
 import statistics
 import tempfile
 from dataclasses import dataclass, field
@@ -39,6 +43,7 @@ from .records import CalibrationConfig, save_records
 
 RECORD_TREE = "record"
 TIMING_ROUNDS, TIMING_TOKENS = 4, 8     # each grid tree decodes 4 times 8 tokens per batch size, in rotation
+RAGGED_ROUNDS = 6                       # mixed-pin batches per batch size > 1 (each row its own grid tree)
 ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 
 
@@ -239,19 +244,37 @@ def _decode_all(server, texts: list[str], tree: str | list[str], max_new: int, c
         list(pool.map(one, zip(texts, pins)))
 
 
-def ragged_cost(steps: list[dict], log=print) -> RaggedStepCost | None:
+def mixed_pins(grid: list[Tree], batch: int, rounds: int) -> list[list[str]]:
+    """`rounds` batches of `batch` pins over the grid's trees, each batch mixing node counts (so the server verifies
+    ragged steps): round r draws from the trees at most 1 + r mod D deep (D: the grid's deepest), so the deepest
+    level varies too, and row i takes tree (r + i * stride) mod n of them, stride coprime to n."""
+    deepest = max(t.max_depth for t in grid)
+    out = []
+    for r in range(rounds):
+        pool = [t.name for t in grid if t.max_depth <= 1 + r % max(1, deepest)]
+        n = len(pool)
+        stride = next(k for k in range(max(2, n // batch), 2 * n + 2) if math.gcd(k, n) == 1)
+        out.append([pool[(r + i * stride) % n] for i in range(batch)])
+    return out
+
+
+def ragged_cost(steps: list[dict], grid: list[Tree] = (), log=print) -> RaggedStepCost | None:
     """The ragged step cost (calibrate/ragged_cost.py) fitted on the recorded ragged steps (each request its own
-    tree and node count) and the plain steps (chain:0) of every batch size; None with too few points to fit."""
+    tree and node count), the pinned grid trees' steps (every row the tree's node count: the policy prices those
+    steps by the same line) and the plain steps (chain:0) of every batch size; None with too few ragged points."""
+    nodes = {t.name: (t.num_nodes, t.max_depth) for t in grid if t.max_depth > 0}
     timed = [RaggedStep(s["tokens"], s["depth"], s["batch"], s["seconds"]) for s in steps if s["tree"] == "ragged"]
-    timed += [RaggedStep(s["batch"], 0, s["batch"], s["seconds"]) for s in steps if s["tree"] == "chain:0"]
-    points = {t.point for t in timed if t.max_depth > 0}
+    points = {t.point for t in timed}
     if len(points) < MIN_POINTS:
         log(f"ragged step cost: {len(points)} distinct ragged steps measured, too few to fit (the set's per-tree "
             "costs price ragged steps)")
         return None
+    timed += [RaggedStep(s["batch"] * nodes[s["tree"]][0], nodes[s["tree"]][1], s["batch"], s["seconds"])
+              for s in steps if s["tree"] in nodes]
+    timed += [RaggedStep(s["batch"], 0, s["batch"], s["seconds"]) for s in steps if s["tree"] == "chain:0"]
     cost = fit_ragged_cost(timed)
-    log(f"ragged step cost from {sum(t.max_depth > 0 for t in timed)} ragged steps at {len(points)} points: "
-        f"{cost.to_json()}")
+    log(f"ragged step cost from {len(points)} ragged points ({sum(s['tree'] == 'ragged' for s in steps)} steps) and "
+        f"{sum(s['tree'] in nodes for s in steps)} steps of the pinned trees: {cost.to_json()}")
     return cost
 
 
@@ -281,9 +304,13 @@ def run(cal: SGLangCalibration, items: list[dict], out: Path, log=print, progres
             for _ in range(TIMING_ROUNDS):
                 for t in grid:
                     _decode_all(server, batch, t.name, TIMING_TOKENS, b)
+        for b in [b for b in cal.batch_sizes if b > 1]:   # ragged steps: each row of a batch pins its own tree
+            batch = [texts[i % len(texts)] for i in range(b)]
+            for pins in mixed_pins(grid, b, RAGGED_ROUNDS):
+                _decode_all(server, batch, pins, TIMING_TOKENS, b)
     steps = read_steps(steps_file)
     models = cost_models(steps, grid, cal.batch_sizes, log)
-    ragged = ragged_cost(steps, log)   # ragged steps, where the recording server made any
+    ragged = ragged_cost(steps, grid, log)   # the mixed-pin batches' ragged steps and the grid's
     cfg = CalibrationConfig(cal.drafter_kind, cal.task, len(texts), cal.max_new_tokens, max_depth=cal.max_depth,
                             num_bins=cal.bins)
     ts, points = build_tree_set(None, records, texts, cfg, log=log, signal=best_signal(records), models=models,

@@ -353,15 +353,16 @@ class EntMtpWorker(EAGLEWorkerV2):
             logger.info("ENTMTP step costs timed in this server (%d steps): %s", costs.steps, costs.summary())
 
     def _time_ragged(self, rows: int, seconds: float) -> None:
-        """A ragged step (its tokens and draft levels) or a resting step (one token a row, no levels) into the
-        online ragged cost; at each refit the policy takes the new fit (`TreeController.set_ragged_cost`)."""
+        """A speculating step (the tokens it verified and its draft levels: a ragged step's rows their own node
+        counts, a step where every row took the shape's tree N a row) or a resting step (one token a row, no
+        levels) into the online ragged cost, which prices every step the policy compares (ragged or not); at each
+        refit the policy takes the new fit (`TreeController.set_ragged_cost`)."""
         step = self._step
-        if step.ragged is not None and step.drafts:
-            self.ragged_costs.observe(step.ragged.total_tokens, step.num_steps, rows, seconds)
-        elif not step.drafts:   # a resting or plain step: one token a row
+        if step.drafts:
+            tokens = step.ragged.total_tokens if step.ragged is not None else rows * step.num_nodes
+            self.ragged_costs.observe(tokens, step.num_steps, rows, seconds)
+        else:   # a resting or plain step: one token a row
             self.ragged_costs.observe(rows, 0, rows, seconds)
-        else:
-            return
         rc = self.ragged_costs
         if rc.due():
             cost = rc.refit()
@@ -375,9 +376,12 @@ class EntMtpWorker(EAGLEWorkerV2):
         then applied (`_apply`)."""
         reqs = batch.reqs
         choice, rest, h = None, False, float("nan")
-        mode = (Mode.RAGGED if self.ragged and self.observer is None
-                else Mode.PER_ROW if self.shape_index and self.observer is None
-                else Mode.ONE_TREE)   # (while recording, the observer records one tree per step)
+        # while recording, the observer records one tree per step; a batch whose requests pin different trees
+        # (the calibration's mixed-pin batches, timed as ragged steps) is laid out per request as when serving
+        per_request = self.observer is None or len({self._pin(r) for r in reqs}) > 1
+        mode = (Mode.RAGGED if self.ragged and per_request
+                else Mode.PER_ROW if self.shape_index and per_request
+                else Mode.ONE_TREE)
         try:
             # penalties: one token per step keeps them exact; ragged, such a request rests as a row of the step
             forced = [needs_plain_decoding([r]) for r in reqs]

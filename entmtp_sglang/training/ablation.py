@@ -107,6 +107,40 @@ def write_shards(fwd, seqs: list[tuple[list[int], list[int], int]], out: Path, t
     return files
 
 
+def own_responses(model_dir: Path, home: Path, fixed: Path, prompts: int, held_prompts: int, batch_size: int,
+                  max_new_tokens: int, max_prompt_tokens: int, threads: int, wheels: Path,
+                  log) -> dict[str, list[Path]]:
+    """The target's greedy responses to `prompts` training prompts (`home/self-train/`) and to `held_prompts` others
+    (`home/self-held/`, none repeating a training one), teacher-forced into the shard format of the fixed set
+    `fixed` (same capture layers, top-k, target): {"self-train": shards, "self-held": shards}. Resumes."""
+    import torch
+
+    from ..model.load import load_target, target_fingerprint
+    from . import distill_data
+    from .fixed_data import TeacherForward
+
+    recipe = json.loads((Path(fixed) / "recipe.json").read_text())
+    for work, n, exclude, seed in ((home / "self-train", prompts, [], 0),
+                                   (home / "self-held", held_prompts, [home / "self-train"], 1)):
+        log(f"generating {work.name} ({n} prompts, greedy, {max_new_tokens} new tokens at most)")
+        distill_data.generate(model_dir, work, n, seed, batch_size, max_new_tokens, max_prompt_tokens, threads,
+                              wheels, log=log, exclude=exclude)
+    target = load_target(model_dir, torch.float32)
+    if target_fingerprint(target) != recipe["fingerprint"]:
+        raise SystemExit(f"error: {fixed} was built from another target than {model_dir}")
+    fwd = TeacherForward(target, tuple(recipe["capture_layers"]))
+    meta = {"capture_layers": json.dumps(recipe["capture_layers"]), "fingerprint": recipe["fingerprint"],
+            "kind": "self-distilled"}
+    files = {}
+    for part in ("self-train", "self-held"):
+        seqs = generated_sequences(home / part)
+        out = home / part / "shards"
+        files[part] = write_shards(fwd, seqs, out, recipe["top_k"], recipe["batch_tokens"],
+                                   recipe["shard_positions"], meta, log)
+        (out / "recipe.json").write_text(json.dumps({**recipe, "kind": "self-distilled", "work": str(home / part)}))
+    return files
+
+
 # --- equal supervised positions ------------------------------------------------------------------------------
 
 def take(files: list[Path], supervised: int, out: Path, meta: dict) -> dict:
@@ -210,9 +244,7 @@ def run(args) -> int:
     import torch
 
     from ..model.prepare import cache_root, resolve_model
-    from . import distill_data
     from .eagle3_train import TrainConfig, draft_vocabulary, shard_files, train
-    from .fixed_data import TeacherForward
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -227,27 +259,8 @@ def run(args) -> int:
     fixed_held = fixed_files[-1:]
     wheels = Path(args.wheels or cache_root() / "wheels")
     # 1. the target's own responses: training prompts, and held-out prompts none of them repeat
-    for work, prompts, exclude, seed in ((home / "self-train", args.prompts, [], 0),
-                                         (home / "self-held", args.held_prompts, [home / "self-train"], 1)):
-        log(f"generating {work.name} ({prompts} prompts, greedy, {args.max_new_tokens} new tokens at most)")
-        distill_data.generate(model_dir, work, prompts, seed, args.batch_size, args.max_new_tokens,
-                              args.max_prompt_tokens, args.threads, wheels, log=log, exclude=exclude)
-    from ..model.load import load_target, target_fingerprint
-
-    target = load_target(model_dir, torch.float32)
-    if target_fingerprint(target) != recipe["fingerprint"]:
-        raise SystemExit(f"error: {fixed} was built from another target than {model_dir}")
-    fwd = TeacherForward(target, tuple(recipe["capture_layers"]))
-    meta = {"capture_layers": json.dumps(recipe["capture_layers"]), "fingerprint": recipe["fingerprint"],
-            "kind": "self-distilled"}
-    self_files = {}
-    for part in ("self-train", "self-held"):
-        seqs = generated_sequences(home / part)
-        out = home / part / "shards"
-        self_files[part] = write_shards(fwd, seqs, out, recipe["top_k"], recipe["batch_tokens"],
-                                        recipe["shard_positions"], meta, log)
-        (out / "recipe.json").write_text(json.dumps({**recipe, "kind": "self-distilled", "work": str(home / part)}))
-    del fwd, target
+    self_files = own_responses(model_dir, home, fixed, args.prompts, args.held_prompts, args.batch_size,
+                               args.max_new_tokens, args.max_prompt_tokens, args.threads, wheels, log)
     # 2. equal supervised positions per arm
     budget = args.positions or supervised_in(self_files["self-train"])
     log(f"{budget} supervised positions per arm")

@@ -362,10 +362,12 @@ def evaluate(draft, shards: dict[int, dict], ws: list[Window], t2d_index, steps:
 
 def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads: int = 0, save_every_s: float = 120.0,
           echo: bool = True, max_batches: int | None = None, held_out: list[Path] | None = None,
-          draft_ids: torch.Tensor | None = None) -> dict:
+          draft_ids: torch.Tensor | None = None, init_from: Path | None = None) -> dict:
     """Train (or resume) a run; returns the summary. `max_batches` stops early (tests). `held_out` evaluates on
     those shards and trains on every shard of `data`; `draft_ids` fixes the draft vocabulary (the ablation gives
-    its runs one held-out set and one vocabulary)."""
+    its runs one held-out set and one vocabulary). `init_from` (another run's folder) starts a new run from that
+    run's weights and vocabulary, with a fresh optimizer and schedule: a fine-tune (say on the target's own answers
+    after fixed text)."""
     from ..model.load import load_target
 
     if threads:
@@ -384,8 +386,19 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
     if state is not None and state["config"] != asdict(cfg):
         log(f"resuming with the checkpoint's configuration {state['config']} (the command line's differs)")
         cfg = TrainConfig(**state["config"])
+    init = None
+    if state is None and init_from is not None:
+        init = torch.load(Path(init_from) / "ckpt.pt", weights_only=False)
+        if init["config"]["kind"] != cfg.kind or init["config"]["intermediate_size"] != cfg.intermediate_size:
+            raise ValueError(f"{init_from} holds a {init['config']['kind']} drafter (intermediate size "
+                             f"{init['config']['intermediate_size']}); this run trains {cfg.kind} "
+                             f"({cfg.intermediate_size}): start from a run of the same kind and size")
+        if draft_ids is not None and not torch.equal(draft_ids, init["draft_ids"]):
+            raise ValueError(f"{init_from} has another draft vocabulary than the one asked")
     if state is not None:
         draft_ids = state["draft_ids"]
+    elif init is not None:
+        draft_ids = init["draft_ids"]
     elif draft_ids is None:
         draft_ids = draft_vocabulary(train_files, cfg.draft_vocab, target.shape.vocab_size)
     draft = new_drafter(target_cfg, capture, draft_ids, cfg, target)
@@ -404,6 +417,9 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
         order, cursor = state["order"], state["cursor"]
         done_positions, spent = state["positions"], state["seconds"]
         log(f"resumed at {done_positions} positions, {_hms(spent)} spent")
+    elif init is not None:
+        draft.load_state_dict(init["model"], strict=False)
+        log(f"starting from {init_from}'s weights ({init['positions']} positions trained there)")
     held_shards = {i: load_shard(f) for i, f in enumerate(held_files)}
     held = []
     for i, s in held_shards.items():
@@ -490,6 +506,7 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
     save()
     result = evaluate(draft.eval(), held_shards, held, t2d_index, cfg.steps, FEATURES[cfg.kind])
     summary = {"data": str(data), "model": str(model_dir), "config": asdict(cfg), "positions": done_positions,
+               "init_from": str(init_from) if init_from is not None else None,
                "seconds": round(spent + time.time() - t_start, 1), "train_shards": len(train_files),
                "held_out_shards": [f.name for f in held_files], "held_out_windows": len(held),
                "capture_layers": list(capture), "draft_vocab": len(draft_ids), "held_out": result}
@@ -553,6 +570,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--save-every-s", type=float, default=120.0)
     p.add_argument("--max-batches", type=int, default=None, help="stop after this many batches (a smoke run)")
+    p.add_argument("--init", type=Path, default=None,
+                   help="another run's folder: start from its weights and vocabulary (a fine-tune)")
+    p.add_argument("--held-out", type=Path, default=None,
+                   help="a shard folder to evaluate on (then every shard of --data trains; default: --data's last)")
 
 
 def run(args) -> int:
@@ -561,7 +582,9 @@ def run(args) -> int:
     cfg = TrainConfig(**{k: getattr(args, k) for k in TrainConfig.__dataclass_fields__})
     model = args.model or Path(json.loads((args.data / "recipe.json").read_text())["model"])
     run_dir = args.run_dir or cache_root() / cfg.kind / args.run
-    train(args.data, model, run_dir, cfg, args.threads, args.save_every_s, max_batches=args.max_batches)
+    held = shard_files(args.held_out) if args.held_out else None
+    train(args.data, model, run_dir, cfg, args.threads, args.save_every_s, max_batches=args.max_batches,
+          held_out=held, init_from=args.init)
     return 0
 
 
