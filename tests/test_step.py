@@ -20,6 +20,7 @@ from entmtp_sglang.sglang.step import (
     ragged_shapes,
     rest_rule,
     shape_trees,
+    step_mode,
 )
 from entmtp_sglang.sglang.tree_index import ShapeIndex, TreeIndex
 from entmtp_sglang.sglang.tree_plan import plan_tree, required_topk
@@ -142,3 +143,17 @@ def test_rules_before_the_policy(mode):
     assert rest_rule([True, True], 3, mode, 16, backs_off(False)) == Rule(False, True)   # no need to ask
     assert asked == [True, False]   # asked only with owed positions below the cap and no need to rest anyway
     assert rest_rule([False], 0, mode, 16, backs_off(True)) == Rule(False, False)   # nothing owed: not asked
+
+
+def test_the_step_mode_serves_per_request_and_records_one_tree_unless_pins_differ():
+    assert step_mode(True, True) is Mode.RAGGED
+    assert step_mode(False, True) is Mode.PER_ROW
+    assert step_mode(False, False) is Mode.ONE_TREE
+    # recording (calibration through SGLang): one tree per step, whether pinned alike or not pinned at all ...
+    assert step_mode(True, True, recording=True, pins=["record", "record"]) is Mode.ONE_TREE
+    assert step_mode(True, True, recording=True, pins=[None, None, None]) is Mode.ONE_TREE
+    assert step_mode(True, True, recording=True, pins=["grid:w1d1"]) is Mode.ONE_TREE
+    # ... but a batch whose requests pin different trees is laid out per request: the ragged steps it times
+    assert step_mode(True, True, recording=True, pins=["chain:0", "grid:w3d1"]) is Mode.RAGGED
+    assert step_mode(False, True, recording=True, pins=["grid:w1d1", "grid:w2d1"]) is Mode.PER_ROW
+    assert step_mode(False, False, recording=True, pins=["grid:w1d1", "grid:w2d1"]) is Mode.ONE_TREE

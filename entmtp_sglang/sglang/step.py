@@ -37,6 +37,17 @@ class Mode(enum.Enum):
     RAGGED = "a tree and node count per request"
 
 
+def step_mode(ragged: bool, per_row: bool, recording: bool = False, pins: Sequence[str | None] = ()) -> Mode:
+    """How a step's trees are chosen: each request its own node count (`ragged`: ragged verify is on), else its own
+    tree at a shared shape (`per_row`), else one tree for the batch. While recording (calibration through SGLang)
+    the observer records one tree per step, except for a batch whose requests pin different trees (`pins`: the
+    calibration's mixed-pin batches, timed as the ragged steps they are)."""
+    per_request = not recording or len(set(pins)) > 1
+    if ragged and per_request:
+        return Mode.RAGGED
+    return Mode.PER_ROW if per_row and per_request else Mode.ONE_TREE
+
+
 @dataclass(frozen=True)
 class Choice:
     """The policy's choice for a step: the tree setting its shape (an index into the tree set; None: no tree) and,

@@ -78,7 +78,7 @@ from .sglang_api import (
     per_step_draft_out_cache_loc,
 )
 from .shapes import Shape, ShapeStates
-from .step import REST, Mode, StepDecision, choose_trees, lay_out, ragged_shapes, rest_rule, shape_trees
+from .step import REST, StepDecision, choose_trees, lay_out, ragged_shapes, rest_rule, shape_trees, step_mode
 from .telemetry import StepTelemetry, trace_path
 from .tree_index import ShapeIndex, TreeIndex, draft_rows, draft_tree
 from .tree_plan import plan_tree
@@ -376,12 +376,9 @@ class EntMtpWorker(EAGLEWorkerV2):
         then applied (`_apply`)."""
         reqs = batch.reqs
         choice, rest, h = None, False, float("nan")
-        # while recording, the observer records one tree per step; a batch whose requests pin different trees
-        # (the calibration's mixed-pin batches, timed as ragged steps) is laid out per request as when serving
-        per_request = self.observer is None or len({self._pin(r) for r in reqs}) > 1
-        mode = (Mode.RAGGED if self.ragged and per_request
-                else Mode.PER_ROW if self.shape_index and per_request
-                else Mode.ONE_TREE)
+        recording = self.observer is not None
+        mode = step_mode(self.ragged, bool(self.shape_index), recording,
+                         [self._pin(r) for r in reqs] if recording else ())
         try:
             # penalties: one token per step keeps them exact; ragged, such a request rests as a row of the step
             forced = [needs_plain_decoding([r]) for r in reqs]

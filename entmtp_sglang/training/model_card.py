@@ -179,6 +179,7 @@ def main(argv=None) -> int:
             results[drafter][task] = measure(bundle, task, args.prompts, args.max_new_tokens, grammar,
                                              lambda m: print(m, flush=True))
     out = args.out or Path(__file__).resolve().parent.parent / "models" / name
+    out.mkdir(parents=True, exist_ok=True)
     training = json.loads((out / "training.json").read_text()) if (out / "training.json").exists() else {}
     meta = {"model": name, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
             "command": "python -m entmtp_sglang.training.model_card "
