@@ -4,9 +4,10 @@ rows drafting the set's widest tree, against steps where every row verifies one 
 One ENTMTP server (SmolLM2, greedy, float32, ENTMTP_PROFILE timing each step's stages), batch 8, every request
 pinning its tree (`custom_params.entmtp_tree`). Configurations, each one batch of 8 requests, repeated:
 
-    full n:     every row pins a depth-1 tree of n nodes (n = 2, 4, 6): 8 n tokens verified, no padding
-    ragged k:   k rows pin the widest tree (6 nodes), 8 - k rows pin chain:0 (resting rows inside the step):
-                6 k + (8 - k) tokens verified, in the widest tree's (1 level, 6 nodes) shape
+    full n:     every row pins a depth-1 tree of n nodes (each depth-1 tree of the set the server serves): 8 n
+                tokens verified, no padding
+    ragged k:   k rows pin the widest of them (W nodes), 8 - k rows pin chain:0 (resting rows inside the step):
+                W k + (8 - k) tokens verified, in the widest tree's (1 level, W nodes) shape
 
 The figure: the target's verify forward of a ragged step (`target_forward`, packing and scattering included)
 against the line through the full steps (ms = a + b * tokens) at its real tokens, and against the full step of the
@@ -36,15 +37,28 @@ from entmtp_sglang.tasks import load_prompts
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH = 8
-FULL = ("b0n2d1", "b0n4d1", "b0n6d1")
-WIDE, REST = "b0n6d1", "chain:0"
-NODES = {"b0n2d1": 2, "b0n3d1": 3, "b0n4d1": 4, "b0n6d1": 6, "chain:0": 1}
+REST = "chain:0"
 
 
-def configs(ks=(2, 4)) -> dict[str, list[str]]:
-    out = {f"full {NODES[t]}": [t] * BATCH for t in FULL}
+def depth_one_trees(model: Path) -> dict[str, int]:
+    """The depth-1 trees of the set an ENTMTP server serves for `model` with its EAGLE drafter (name -> nodes),
+    chain:0 included: the configurations below pin only trees the server holds."""
+    from entmtp_sglang.tree.treeset import load_tree_set, shipped_tree_set
+
+    path = shipped_tree_set("eagle", "mixed", model.name, engine="sglang")
+    if not path.exists():
+        path = shipped_tree_set("eagle", "mixed", model.name)
+    trees = {e.tree.name: e.tree.num_nodes for e in load_tree_set(path).trees if e.tree.max_depth <= 1}
+    if REST not in trees or len(trees) < 3:
+        raise SystemExit(f"{path} needs chain:0 and at least two depth-1 trees for this benchmark; it has {trees}")
+    return trees
+
+
+def configs(nodes: dict[str, int], ks=(2, 4)) -> dict[str, list[str]]:
+    full = sorted((t for t in nodes if t != REST), key=nodes.get)
+    out = {f"full {nodes[t]}": [t] * BATCH for t in full}
     for k in ks:
-        out[f"ragged {k}"] = [WIDE] * k + [REST] * (BATCH - k)
+        out[f"ragged {k}"] = [full[-1]] * k + [REST] * (BATCH - k)
     return out
 
 
@@ -68,7 +82,8 @@ def main() -> None:
                                 "ENTMTP_TREE_TRACE": str(trace)})
     prompts = [it["prompt"][-400:] for task in ("code", "chat", "json", "prose")
                for it in load_prompts(task, "test", 2)]
-    runs = configs()
+    NODES = depth_one_trees(model)
+    runs = configs(NODES)
     stages: dict[str, list[dict]] = collections.defaultdict(list)
     per_repeat: dict[str, list[float]] = collections.defaultdict(list)   # median target_forward ms, per repeat
     t0 = time.time()
@@ -92,7 +107,7 @@ def main() -> None:
                         for k in ("target_forward", "verify", "total")}})
     full = [r for r in rows if r["config"].startswith("full")]
     a, b = np.polyfit([r["tokens"] for r in full], [r["target_forward"] for r in full], 1)[::-1]
-    wide = next(r for r in full if r["config"] == f"full {NODES[WIDE]}")
+    wide = max(full, key=lambda r: r["tokens"])
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                             cwd=ROOT).stdout.strip()
     print(f"SmolLM2 via SGLang, batch {BATCH}, {args.max_new_tokens} new tokens, {args.repeats} repeats, "
