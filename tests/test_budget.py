@@ -431,6 +431,9 @@ def test_shared_pins_room_and_hysteresis():
     assert allocate_shared(pinned, COST).trees == ("deep4", "deep4")
     clash = [dataclasses.replace(batch[0], pin="chain:0"), dataclasses.replace(batch[1], pin="wide4")]
     assert allocate_shared(clash, COST).trees == ("deep4", "wide4")    # no size both pins fit: pins dropped
+    third = dataclasses.replace(batch[1], pin="wide4")
+    # two pins of 4 nodes outvote one of 1: those kept, the chain:0 row drafts at their size
+    assert allocate_shared(clash + [third], COST).trees == ("deep4", "wide4", "wide4")
     assert allocate_shared([batch[0], dataclasses.replace(batch[1], room=3)], COST).all_rest
     # chat ran deep4 last step: keeping it costs 4.6 / 0.024 against 4.9 / 0.024, within 10 % but not 2 %
     prev = [batch[0], dataclasses.replace(batch[1], previous="deep4")]

@@ -143,6 +143,37 @@ def test_the_ragged_allocation_equals_brute_force():
     assert some_rest > 10   # resting rows inside speculating steps are chosen, not only whole-batch choices
 
 
+def test_pins_of_different_shapes_keep_as_many_as_one_step_runs():
+    """Requests pinning trees no one shape holds together: the step runs a shape holding the most pins, those rows
+    take their pinned trees, and a row whose pin that shape lacks chooses freely among its trees."""
+    from entmtp_sglang.policy.budget import RequestOptions, TreeOption
+    trees = TREES + [Tree((-1, 0, 0, 1, 1, 2, 2), name="full7")]
+    shapes_of = ShapeIndex.for_trees(trees, TOPK, ragged=True)
+    shapes = {key: (key[0], frozenset(s.trees)) for key, s in sorted(shapes_of.items(), key=lambda kv: kv[0][::-1])}
+    assert not any({4, 5} <= ids for _, ids in shapes.values())   # deep5 and full7: no shape holds both
+    rng = random.Random(7)
+    cost = RaggedStepCost(0.02, 0.002, 0.004, 0.001, 0.02)
+    config = BudgetConfig(hysteresis=0.0)
+
+    def request(pin):
+        opts = [TreeOption(0, 1, 0, 1.0)] + [TreeOption(i, t.num_nodes, t.max_depth, 1.0 + 0.5 * t.max_depth)
+                                            for i, t in enumerate(trees) if i]
+        return RequestOptions(tuple(opts), pin=pin)
+
+    key, got = allocate_ragged([request(4), request(4), request(5), request(None)], shapes, cost, config)
+    assert got.trees[:2] == (4, 4) and 4 in shapes[key][1]      # two deep5 pins outvote one full7 pin
+    assert got.trees[2] in shapes[key][1]
+    key, got = allocate_ragged([request(4), request(5), request(5)], shapes, cost, config)
+    assert got.trees[1:] == (5, 5) and got.trees[0] != 4
+    for _ in range(200):   # random pins: as many honoured as the best shape holds, and brute force agrees
+        batch = [request(rng.choice([None, 0, 1, 2, 3, 4, 5])) for _ in range(rng.randint(1, 5))]
+        (key, got), (_, best) = allocate_ragged(batch, shapes, cost, config), allocate_ragged_exhaustive(
+            batch, shapes, cost, config)
+        most = max(sum(r.pin is not None and r.pin in ids for r in batch) for _, ids in shapes.values())
+        assert sum(r.pin is not None and t == r.pin for r, t in zip(batch, got.trees)) == most
+        assert got.tokens_per_second == pytest.approx(best.tokens_per_second, rel=1e-9)
+
+
 def test_the_controller_rests_a_row_beside_a_speculating_one():
     #   a confident row (margin 0.9) expects 2.4 drafts of deep5, an uncertain one (0.1) next to nothing:
     #   the step drafts deep5 for the first and rests the second inside the same shape

@@ -334,13 +334,11 @@ def allocate_exhaustive(requests: Sequence[RequestOptions], cost: StepCost, conf
                         shared: bool = False) -> Allocation:
     """The reference: every assignment of allowed options evaluated (no hysteresis; the first best in
     lexicographic order of choices). For tests and small batches (at most EXHAUSTIVE_LIMIT assignments).
-    `shared`: only the assignments `allocate_shared` may make (every request the same node count), pins dropped
-    when no such assignment keeps them all."""
+    `shared`: only the assignments `allocate_shared` may make (every request the same node count, its pins
+    `_shared_allowed`'s)."""
     if not requests:
         raise ValueError("allocate_exhaustive needs at least one request")
-    allowed = [_allowed(r, config) for r in requests]
-    if shared and not _shared_feasible(requests, allowed):
-        allowed = [_allowed(dataclasses.replace(r, pin=None), config) for r in requests]
+    allowed = _shared_allowed(requests, config) if shared else [_allowed(r, config) for r in requests]
     if math.prod(len(ks) for ks in allowed) > EXHAUSTIVE_LIMIT:
         raise ValueError(f"more than {EXHAUSTIVE_LIMIT} assignments to enumerate")
     best = None
@@ -360,6 +358,25 @@ def _shared_feasible(requests: Sequence[RequestOptions], allowed: Sequence[list[
     return bool(set.intersection(*counts))
 
 
+def _shared_allowed(requests: Sequence[RequestOptions], config: BudgetConfig) -> list[list[int]]:
+    """Each request's allowed options when every row takes one node count. Pins that leave no count every request
+    may take (pins of different sizes): the pins of the size pinned most often are kept, the others dropped this
+    step; with no such size (a tie), or when the kept pins still leave no count, every pin is dropped."""
+    allowed = [_allowed(r, config) for r in requests]
+    if _shared_feasible(requests, allowed):
+        return allowed
+    unpinned = [dataclasses.replace(r, pin=None) for r in requests]
+    sizes = [r.options[r.index_of(r.pin)].num_nodes for r in requests if r.pin is not None]
+    ranked = sorted(set(sizes), key=sizes.count, reverse=True)
+    if len(ranked) == 1 or sizes.count(ranked[0]) > sizes.count(ranked[1]):
+        kept = [r if r.pin is not None and r.options[r.index_of(r.pin)].num_nodes == ranked[0] else u
+                for r, u in zip(requests, unpinned)]
+        allowed = [_allowed(r, config) for r in kept]
+        if _shared_feasible(requests, allowed):
+            return allowed
+    return [_allowed(r, config) for r in unpinned]
+
+
 def allocate_shared(requests: Sequence[RequestOptions], cost: StepCost, config: BudgetConfig = BudgetConfig()
                     ) -> Allocation:
     """One option per request when every row of the step verifies the same N nodes (SGLang's strided `bs x N`
@@ -375,13 +392,11 @@ def allocate_shared(requests: Sequence[RequestOptions], cost: StepCost, config: 
         then hysteresis (`_keep_previous`) among the options of the best's N nodes and depth <= its D
 
     Exact (equals `allocate_exhaustive(..., shared=True)`) when the cost is nondecreasing in max_depth at each
-    (total tokens, batch size). Pins, room and the config's caps as `allocate`'s; when the pins leave no node
-    count every request may take (two pins of different sizes), every pin is dropped this step."""
+    (total tokens, batch size). Pins, room and the config's caps as `allocate`'s; pins of different sizes: those
+    of the size pinned most often are kept and the others dropped this step (`_shared_allowed`)."""
     if not requests:
         raise ValueError("allocate_shared needs at least one request")
-    allowed = [_allowed(r, config) for r in requests]
-    if not _shared_feasible(requests, allowed):
-        allowed = [_allowed(dataclasses.replace(r, pin=None), config) for r in requests]
+    allowed = _shared_allowed(requests, config)
     batch, best, best_choices, shape = len(requests), -math.inf, None, None
     counts = set.intersection(*({r.options[k].num_nodes for k in ks} for r, ks in zip(requests, allowed)))
     for n in sorted(counts):
@@ -468,8 +483,9 @@ def allocate_ragged(requests: Sequence[RequestOptions], shapes: Mapping[Hashable
     whatever its rows' own depths (the shape drafts D levels); every row resting costs `cost(batch, 0, batch)`:
 
         for key in shapes (in order):
-            per request: its options among the shape's trees (its pin, if the shape holds it; a shape missing a
-                         pin is skipped unless no shape holds every pin, then pins are dropped)
+            per request: its options among the shape's trees (its pin, if the shape holds it; only the shapes
+                         holding the most pins are tried, and a pin such a shape lacks is dropped this step:
+                         pins of different shapes in one batch keep as many as one step can run)
             alloc = allocate(those options, (total, d, b) -> cost(total, D if d > 0 else 0, b))
         best = the highest tokens per second (a tie: the first key)
 
@@ -478,15 +494,9 @@ def allocate_ragged(requests: Sequence[RequestOptions], shapes: Mapping[Hashable
     if not requests or not shapes:
         raise ValueError("allocate_ragged needs at least one request and one shape")
 
-    def holds_pins(ids) -> bool:
-        return all(r.pin is None or r.pin in ids for r in requests)
-
-    keep_pins = any(holds_pins(ids) for _, ids in shapes.values())
     best_key, best = None, None
-    for key, (depth, ids) in shapes.items():
-        if keep_pins and not holds_pins(ids):
-            continue
-        reqs = [_within(r, ids, keep_pins) for r in requests]
+    for key, (depth, ids) in _most_pins(requests, shapes):
+        reqs = [_within(r, ids) for r in requests]
         if any(r is None for r in reqs):
             continue
         a = allocate(reqs, _at_depth(cost, depth), config)
@@ -501,27 +511,31 @@ def _at_depth(cost: StepCost, depth: int) -> StepCost:
     return lambda total, d, batch: cost(total, depth if d > 0 else 0, batch)
 
 
-def _within(req: RequestOptions, ids, keep_pin: bool) -> RequestOptions | None:
-    """`req` with only the options among `ids` (None when its resting option is not among them)."""
+def _most_pins(requests: Sequence[RequestOptions], shapes: Mapping[Hashable, tuple[int, frozenset]]
+               ) -> list[tuple[Hashable, tuple[int, frozenset]]]:
+    """The shapes (in order) holding the most of the requests' pinned trees: every pin when one shape holds them
+    all; otherwise the pins one step can honour, the others dropped this step."""
+    held = {key: sum(r.pin is not None and r.pin in ids for r in requests) for key, (_, ids) in shapes.items()}
+    most = max(held.values())
+    return [(key, shape) for key, shape in shapes.items() if held[key] == most]
+
+
+def _within(req: RequestOptions, ids) -> RequestOptions | None:
+    """`req` with only the options among `ids` (None when its resting option is not among them); its pin kept if
+    `ids` holds it."""
     options = tuple(o for o in req.options if o.tree in ids)
     if not any(o.resting for o in options):
         return None
-    return RequestOptions(options, pin=req.pin if keep_pin else None, room=req.room,
+    return RequestOptions(options, pin=req.pin if req.pin in ids else None, room=req.room,
                           previous=req.previous if req.previous in ids else None)
 
 
 def allocate_ragged_exhaustive(requests: Sequence[RequestOptions], shapes: Mapping[Hashable, tuple[int, frozenset]],
                                cost: StepCost, config: BudgetConfig = BudgetConfig()) -> tuple[Hashable, Allocation]:
     """The reference for `allocate_ragged`: every shape, every assignment of its options (no hysteresis)."""
-    def holds_pins(ids) -> bool:
-        return all(r.pin is None or r.pin in ids for r in requests)
-
-    keep_pins = any(holds_pins(ids) for _, ids in shapes.values())
     best_key, best = None, None
-    for key, (depth, ids) in shapes.items():
-        if keep_pins and not holds_pins(ids):
-            continue
-        reqs = [_within(r, ids, keep_pins) for r in requests]
+    for key, (depth, ids) in _most_pins(requests, shapes):
+        reqs = [_within(r, ids) for r in requests]
         if any(r is None for r in reqs):
             continue
         a = allocate_exhaustive(reqs, _at_depth(cost, depth), config)

@@ -634,7 +634,7 @@ class EntMtpWorker(EAGLEWorkerV2):
     def _never_drafts(self, req) -> bool:
         """A request that asks for no drafts for the rest of its life: a penalised one (it decodes plainly to its
         end) or one pinning a tree without drafts (chain:0). Its rested positions are not kept, so it never pays a
-        catch-up pass. Should a batch it shares draft anyway (pins decide only when the whole batch agrees), its
+        catch-up pass. Should it draft anyway (one tree for the batch, `ENTMTP_PER_ROW_TREES=0`, and other pins), its
         row drafts from a cold draft cache: fewer drafts accepted on that row, the same output."""
         if penalised(req):
             return True
