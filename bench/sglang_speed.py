@@ -27,7 +27,11 @@ schema (the json task's schemas), tool calls under a schema (bench/workloads/too
 and 4; the mixed stream (all of them, task after task) at batch 8 and 16, and at batch 1 and 4 as the sum of the
 five tasks' runs (the same requests: tokens over seconds added up); the mixed batch (JSON, tool calls, code and chat
 taken in turn, so that every batch in flight mixes them, as agent traffic does) at batch 4, 8 and 16, with a table of
-the trees each kind of request took inside it (ENTMTP picks a tree per request). The servers of a wave are measured
+the trees each kind of request took inside it (ENTMTP picks a tree per request). The two schema workloads run again
+in the compact JSON layout (`json-compact`, `tool-call-compact`: stock, plain and ENTMTP restarted with SGLang's
+--constrained-json-disable-any-whitespace, where the grammar alone decides much more of the text; `--json-layouts`).
+The forced-spans column: the share of the output tokens that came from forced spans (text the grammar decides,
+drafted below ENTMTP's trees), their acceptance and tokens verified per span. The servers of a wave are measured
 interleaved (entmtp_sglang/bench/sglang_benchmark.py); tokens/s is the median over repeats, and every output is
 compared with plain decoding's (with this package) and stock SGLang's.
 """
@@ -83,6 +87,11 @@ EVERY_WAVE = (STOCK.name, PLAIN.name)
 DEFAULT = tuple(s.name for s in SYSTEMS)
 AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB
 TASKS = ("code", "chat", "prose", "json", "tool-call")
+# the schema workloads again in the compact JSON layout (SGLang's --constrained-json-disable-any-whitespace, a
+# server flag: a second set of servers), on these systems where they run
+COMPACT = "--constrained-json-disable-any-whitespace"
+COMPACT_TASKS = ("json", "tool-call")
+COMPACT_SYSTEMS = (STOCK.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name, ENTMTP_NO_FORCED.name)
 # the mixed batch: agent traffic, every batch in flight mixing schema extraction, tool calls, code and chat
 MIXED_BATCH_TASKS = ("json", "tool-call", "code", "chat")
 
@@ -191,6 +200,8 @@ def mixed_rows(rows: list[Row], batches) -> list[Row]:
                 eq = [r.equal_to_plain for r in part]
                 eq_stock = [r.equal_to_stock for r in part]
                 trees = sum((r.trees for r in part), start=type(part[0].trees)())
+                spans = [r.forced for r in part if r.forced]
+                forced = [sum(f[k] for f in spans) for k in range(3)] if spans else None
                 # per repeat: every task's tokens (the same each repeat, greedy) over its seconds in that repeat
                 per_repeat = _per_repeat([(r.tokens, r.repeat_tokens_per_s) for r in part])
                 beside = ([] if not all(r.plain_repeat_tokens_per_s and r.task in base for r in part) else
@@ -199,7 +210,7 @@ def mixed_rows(rows: list[Row], batches) -> list[Row]:
                                [a for r in part for a in r.accept_lengths], trees,
                                None if None in eq else sum(eq), sum(r.requests for r in part), per_repeat,
                                task="mixed", plain_repeat_tokens_per_s=beside,
-                               equal_to_stock=None if None in eq_stock else sum(eq_stock)))
+                               equal_to_stock=None if None in eq_stock else sum(eq_stock), forced=forced))
     return out
 
 
@@ -263,6 +274,10 @@ def main() -> None:
                     "as one workload (default 8,16; empty: none)")
     ap.add_argument("--mixed-batch-batches", type=_ints, default=(4, 8, 16), help="batch sizes of the mixed batch "
                     "(default 4,8,16; it has per-task x 4 requests)")
+    ap.add_argument("--json-layouts", default="free,compact", help="JSON layouts of the schema workloads (json, "
+                    "tool-call): free (SGLang's default: whitespace is the model's choice) and compact (the servers "
+                    f"started with {COMPACT}, rows json-compact and tool-call-compact, on "
+                    f"{', '.join(COMPACT_SYSTEMS)} where named) (default: both)")
     ap.add_argument("--eagle-layers", choices=("sglang", "package"), default="sglang", help="linear layers of the "
                     "EAGLE and adaptive servers: SGLang's own (default: the closest to stock SGLang they run in on a "
                     "CPU) or this package's")
@@ -292,33 +307,53 @@ def main() -> None:
     bad = sorted(set(chosen) - set(TASKS) - {"mixed", "mixed-batch"})
     if bad or not chosen:
         ap.error(f"unknown task(s) {', '.join(bad) or '(none)'}; choose from {', '.join(TASKS)}, mixed, mixed-batch")
+    layouts = {x for x in args.json_layouts.split(",") if x}
+    if not layouts or layouts - {"free", "compact"}:
+        ap.error(f"--json-layouts takes free and/or compact, not {args.json_layouts!r}")
     kv = ("--max-total-tokens", "6000")   # the longest batch here needs under 5k tokens of KV
     systems = [dataclasses.replace(s, args=s.args + kv) for s in systems_for(names, args.eagle_layers)]
     tasks = workloads(AutoTokenizer.from_pretrained(str(model)), args.per_task, args.max_new_tokens)
-    work = {task: (items, tuple(args.batches)) for task, items in tasks.items() if task in chosen and args.batches}
+    work = {task: (items, tuple(args.batches)) for task, items in tasks.items() if task in chosen and args.batches
+            and ("free" in layouts or task not in COMPACT_TASKS)}
+    compact_work = {f"{task}-compact": (tasks[task], tuple(args.batches)) for task in COMPACT_TASKS
+                    if "compact" in layouts and task in chosen and args.batches}
+    compact_systems = [dataclasses.replace(s, args=s.args + (COMPACT,)) for s in systems if s.name in COMPACT_SYSTEMS]
     if "mixed" in chosen and args.mixed_batches:
         work["mixed"] = ([p for t in TASKS for p in tasks[t]], tuple(args.mixed_batches))
     if "mixed-batch" in chosen and args.mixed_batch_batches:
         payloads, labels = interleave(tasks)
         work["mixed-batch"] = (payloads, tuple(args.mixed_batch_batches), labels)
-    if not work:
+    if not work and not compact_work:
         ap.error("nothing to measure: no task at any batch size")
     every = tuple(n for n in EVERY_WAVE if n in {s.name for s in systems})
     t0 = time.time()
     config = {"model": model.name, "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
-              "systems": [s.name for s in systems], "workloads": {k: list(v[1]) for k, v in work.items()},
+              "systems": [s.name for s in systems],
+              "workloads": {k: list(v[1]) for k, v in {**work, **compact_work}.items()},
+              "compact_systems": [s.name for s in compact_systems] if compact_work else [],
               "baseline": STOCK.name, "every_wave": list(every), "layers": {s.name: s.layers for s in systems},
               "env": {s.name: dict(s.env) for s in systems}}
     summed = tuple(b for b in args.batches if "mixed" not in work or b not in work["mixed"][1])
 
+    done_rows: list = []   # the free layout's rows once its pass has finished (the compact pass runs after it)
+
     def save(rows, done):
+        rows = done_rows + rows
         rows = rows + mixed_rows(rows, summed)
         meta = {**config, "repeats": args.repeats, "repeats_done": done, "duration_s": round(time.time() - t0)}
         write(rows, args.out, meta, name="sglang_speed")
         args.out.joinpath("sglang_speed.md").write_text(tables(rows, {**meta, **machine()}) + "\n")
 
-    rows = run_workloads(systems, work, args.repeats, ROOT / "runs" / "sglang-speed", on_repeat=save, model=model,
-                         starts_at_once=2, at_once=args.at_once, baseline=STOCK.name, every=every)
+    rows = []
+    if work:
+        rows = run_workloads(systems, work, args.repeats, ROOT / "runs" / "sglang-speed", on_repeat=save, model=model,
+                             starts_at_once=2, at_once=args.at_once, baseline=STOCK.name, every=every)
+    if compact_work:   # the schema workloads again, every server started in the compact JSON layout
+        done_rows[:] = rows
+        rows = rows + run_workloads(compact_systems, compact_work, args.repeats, ROOT / "runs" / "sglang-speed-compact",
+                                    on_repeat=save, model=model, starts_at_once=2, at_once=args.at_once,
+                                    baseline=STOCK.name, every=every)
+        done_rows.clear()
     save(rows, args.repeats)
     print(tables(rows + mixed_rows(rows, summed), {**config, **machine()}))
     print(f"duration {time.time() - t0:.0f} s")

@@ -321,3 +321,34 @@ def test_the_mixed_batch_takes_the_tasks_in_turn_and_reports_each_kinds_trees(tm
     back = {r.system: r for r in rows_from_jsonl(tmp_path / "run.jsonl")}
     assert back["entmtp"].trees_by_label == row.trees_by_label and back["plain-stock"].trees_by_label == {}
     assert "Inside the mixed batch" in speed.tables(list(back.values()))
+
+
+def test_forced_spans_and_the_compact_layout_in_the_product_table(tmp_path):
+    """bench/sglang_speed.py: ENTMTP's forced spans (meta_info's [verified, accepted] per step, summed into
+    `Row.forced`) get a column (share of output tokens, acceptance, tokens per span) that survives the run's JSON
+    lines and adds up over the mixed stream; the compact layout's rows (json-compact, tool-call-compact) divide by
+    stock's compact row and stay out of the mixed stream; the layouts are checked."""
+    from entmtp_sglang.bench.sglang_benchmark import Row, rows_from_jsonl, write
+
+    speed = load_script("sglang_speed")
+    assert speed.COMPACT == "--constrained-json-disable-any-whitespace"
+    assert set(speed.COMPACT_TASKS) <= set(speed.TASKS) and speed.STOCK.name in speed.COMPACT_SYSTEMS
+
+    def row(system, task, tps, forced=None):
+        return Row(system, 1, 100, 100 / tps, requests=2, task=task, repeat_tokens_per_s=[tps, tps], forced=forced,
+                   plain_repeat_tokens_per_s=[] if system == "plain-stock" else [10.0, 10.0])
+
+    rows = [row("plain-stock", "json", 10.0), row("entmtp", "json", 15.0, [10, 40, 30]),
+            row("plain-stock", "tool-call", 10.0), row("entmtp", "tool-call", 20.0, [5, 20, 10]),
+            row("plain-stock", "json-compact", 10.0), row("entmtp", "json-compact", 25.0, [8, 64, 48])]
+    assert rows[1].forced_summary == "30% of tokens, 75% accepted, 4.0 a span"
+    assert row("entmtp", "code", 12.0).forced_summary == ""
+    mixed = {r.system: r for r in speed.mixed_rows(rows, (1,))}
+    assert mixed["entmtp"].forced == [15, 60, 40] and mixed["entmtp"].tokens == 200    # compact rows left out
+    write(rows, tmp_path, {"run": 1}, name="run")
+    back = rows_from_jsonl(tmp_path / "run.jsonl")
+    assert [r.forced for r in back] == [r.forced for r in rows]
+    text = speed.tables(back + list(mixed.values()))
+    assert "forced spans |" in text.splitlines()[2]
+    assert "| json-compact | entmtp | 1 | 25.0 | 2.50x | 2.50x |" in text and "48% of tokens, 75% accepted, 8.0 a " \
+        "span |" in text, text

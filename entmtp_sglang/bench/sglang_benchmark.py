@@ -275,10 +275,23 @@ class Row:
     # a workload whose requests carry labels (the mixed batch: each request's task): label -> trees its requests'
     # steps took (ENTMTP's meta_info, one tree name per step per request)
     trees_by_label: dict[str, collections.Counter] = field(default_factory=dict)
+    # ENTMTP's forced spans (meta_info["entmtp_forced"], summed over the outputs): [steps with a span, forced tokens
+    # verified, of them accepted]; None when no output reports spans
+    forced: list[int] | None = None
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds
+
+    @property
+    def forced_summary(self) -> str:
+        """The forced spans' share of the output tokens, their acceptance and mean length (tokens verified per
+        span); empty without spans."""
+        if not self.forced or not self.forced[0]:
+            return ""
+        spans, verified, accepted = self.forced
+        return (f"{accepted / max(self.tokens, 1):.0%} of tokens, {accepted / max(verified, 1):.0%} accepted, "
+                f"{verified / spans:.1f} a span")
 
     @property
     def mean_accept(self) -> float | None:
@@ -414,6 +427,11 @@ def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: in
         if m.get("spec_verify_ct"):
             row.accept_lengths.append(m["spec_accept_length"])
         row.trees.update(m.get("entmtp_trees", []))
+        spans = m.get("entmtp_forced") or []
+        if spans:
+            total = row.forced or [0, 0, 0]
+            row.forced = [total[0] + len(spans), total[1] + sum(int(v) for v, _ in spans),
+                          total[2] + sum(int(a) for _, a in spans)]
         if labels is not None and m.get("entmtp_trees"):
             row.trees_by_label.setdefault(labels[i], collections.Counter()).update(m["entmtp_trees"])
     ids = [o["output_ids"] for o in outs]
@@ -487,9 +505,12 @@ def to_markdown(rows: list[Row], baseline: str | None = None) -> str:
     base_rows = {(r.task, r.batch): r for r in rows if r.system == baseline}
     stock = any(r.system == STOCK.name or r.equal_to_stock is not None for r in rows)
     tasks = any(r.task for r in rows)
+    forced = any(r.forced_summary for r in rows)
     lines = [("| task " if tasks else "") + f"| system | batch | tokens/s (median) | vs {label} | vs {label}, paired "
-             "| mean accepted length | greedy = plain |" + (" greedy = stock |" if stock else "") + " trees chosen |",
-             ("|---" if tasks else "") + "|---|---|---|---|---|---|---|---|" + ("---|" if stock else "")]
+             "| mean accepted length | greedy = plain |" + (" greedy = stock |" if stock else "") + " trees chosen |"
+             + (" forced spans |" if forced else ""),
+             ("|---" if tasks else "") + "|---|---|---|---|---|---|---|---|" + ("---|" if stock else "")
+             + ("---|" if forced else "")]
     for r in rows:
         base = base_rows.get((r.task, r.batch))
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base is not None else ""
@@ -500,7 +521,8 @@ def to_markdown(rows: list[Row], baseline: str | None = None) -> str:
         acc = "" if r.mean_accept is None else f"{r.mean_accept:.2f}"
         lines.append((f"| {r.task} " if tasks else "") + f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio} | "
                      f"{'' if paired is None else f'{paired:.2f}x'} | {acc} | {eq} |"
-                     + (f" {eq_stock} |" if stock else "") + f" {trees} |")
+                     + (f" {eq_stock} |" if stock else "") + f" {trees} |"
+                     + (f" {r.forced_summary} |" if forced else ""))
     return "\n".join(lines)
 
 
@@ -542,7 +564,8 @@ def rows_from_jsonl(path: Path) -> list[Row]:
         out.append(Row(d["system"], d["batch"], d["tokens"], d["seconds"], acc, collections.Counter(d["trees"]),
                        d["equal_to_plain"], d["requests"], list(d.get("repeat_tokens_per_s") or []), d["task"],
                        list(d.get("plain_repeat_tokens_per_s") or []), d.get("equal_to_stock"),
-                       {k: collections.Counter(v) for k, v in (d.get("trees_by_label") or {}).items()}))
+                       {k: collections.Counter(v) for k, v in (d.get("trees_by_label") or {}).items()},
+                       d.get("forced")))
     return out
 
 
@@ -558,5 +581,6 @@ def write(rows: list[Row], out_dir: Path, config: dict, name: str = "sglang_cpu"
                                 "repeat_tokens_per_s": r.repeat_tokens_per_s,
                                 "plain_repeat_tokens_per_s": r.plain_repeat_tokens_per_s,
                                 **({"trees_by_label": {k: dict(v) for k, v in r.trees_by_label.items()}}
-                                   if r.trees_by_label else {})}) + "\n")
+                                   if r.trees_by_label else {}),
+                                **({"forced": r.forced} if r.forced else {})}) + "\n")
     (out_dir / f"{name}.md").write_text(to_markdown(rows) + "\n")
