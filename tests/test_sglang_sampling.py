@@ -8,7 +8,9 @@ counts are tested against p(x1) p(x2 | x1), computed exactly from the bundled ta
 (Pearson's chi-square, fixed seeds). The same test on a server that verifies greedily
 (`ENTMTP_CPU_SAMPLING=0`, SGLang's own behaviour on CPU) must fail, so the test has power. With each request its
 own tree (issue 36), requests pinning different trees (a resting row, a chain, branching trees) verify in the
-same steps at their own node counts, and the joint counts pass the same test.
+same steps at their own node counts, and the joint counts pass the same test. Under a grammar whose text ENTMTP
+drafts as forced spans (issue 37), the first tokens' joint counts pass against the target masked by the grammar at
+each step.
 """
 
 from __future__ import annotations
@@ -150,3 +152,77 @@ def test_rows_with_different_trees_in_one_step_keep_the_target_distribution(serv
           f"steps, {len(mixed)} of {len(steps)} steps with three trees or more, chi-square p = {p:.3g}")
     assert p > 1e-3, f"sampled rows with their own trees depart from the target distribution (p = {p:.2e})"
 
+
+
+# forced spans (issue 37): after "yes" or "no" the grammar alone decides ", said the ", which ENTMTP drafts below
+# its trees as the tokenizer spells it; the target samples other spellings too (", " or "," + " s", ...)
+EBNF = 'root ::= ("yes" | "no") ", said the " ("cat" | "dog") "."'
+GRAMMAR_TOKENS = 4   # the joint of the first four tokens: the first from the prefill, the others from verification
+FLOOR = 1e-4         # prefixes less likely than this are pooled (enumerated no further)
+
+
+@pytest.fixture(scope="module")
+def grammar_joint(prompt_ids, bundle):
+    """{first GRAMMAR_TOKENS tokens (fewer where the grammar ends): probability} under plain sampling with the
+    grammar: the target's distribution at TEMPERATURE masked by the grammar at each step, enumerated ("other": the
+    pooled prefixes under FLOOR)."""
+    from entmtp_sglang.grammar import GrammarSpec, RequestGrammar, compile_grammar
+
+    model = load_target(BUNDLED_MODEL).eval()
+    vocab = json.loads((BUNDLED_MODEL / "config.json").read_text())["vocab_size"]
+    compiled = compile_grammar(GrammarSpec("ebnf", EBNF), str(BUNDLED_MODEL), vocab)
+    out: dict = {}
+
+    def walk(prefix: list[int], p: float):
+        g = RequestGrammar(compiled, vocab)
+        g.advance(prefix)
+        if g.terminated or len(prefix) >= GRAMMAR_TOKENS:
+            out[tuple(prefix)] = out.get(tuple(prefix), 0.0) + p
+            return
+        if p < FLOOR:
+            out["other"] = out.get("other", 0.0) + p
+            return
+        with torch.no_grad():
+            h = model(torch.tensor([prompt_ids + prefix]))
+            logits = model.logits(h[0, -1]).double() / TEMPERATURE
+        probs = torch.softmax(logits.masked_fill(~g.root_mask(), float("-inf")), -1)
+        for t in probs.nonzero().flatten().tolist():
+            walk(prefix + [t], p * float(probs[t]))
+
+    walk([], 1.0)
+    return out
+
+
+def sample_prefixes(server: SGLangServer, ids: list[int], requests: int) -> tuple[dict, list[dict]]:
+    def one(seed: int):
+        out = server.generate_ids(ids, max_new_tokens=GRAMMAR_TOKENS, temperature=TEMPERATURE, sampling_seed=seed,
+                                  ebnf=EBNF)
+        return tuple(out["output_ids"][:GRAMMAR_TOKENS]), out["meta_info"]
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(requests)))
+    counts: dict = {}
+    for prefix, _ in results:
+        counts[prefix] = counts.get(prefix, 0) + 1
+    return counts, [m for _, m in results]
+
+
+def test_sampled_requests_with_forced_spans_keep_the_masked_target_distribution(servers, prompt_ids, grammar_joint):
+    """Under a grammar whose text after the first word is decided (a forced span, drafted as the tokenizer spells it,
+    while the target also samples other spellings): the first four tokens' joint counts against plain sampling's
+    (the target masked by the grammar at each step, enumerated), chi-square, fixed seeds; forced tokens were verified
+    and accepted. The greedy-verifying server fails the same test (power)."""
+    exact, greedy = servers
+    assert 1 - grammar_joint.get("other", 0.0) > 0.95 and len(grammar_joint) >= 6
+    counts, metas = sample_prefixes(exact, prompt_ids, REQUESTS)
+    verified = sum(s[0] for m in metas for s in m.get("entmtp_forced") or [])
+    accepted = sum(s[1] for m in metas for s in m.get("entmtp_forced") or [])
+    assert accepted > 0 and verified > accepted, (verified, accepted)   # spans drafted, some cut by the sampler
+    p = chi_square_pvalue(counts, grammar_joint)
+    print(f"ENTMTP exact sampling under a grammar with forced spans: {REQUESTS} requests, forced tokens {accepted} of "
+          f"{verified} verified accepted, chi-square p = {p:.3g}")
+    assert p > 1e-3, f"sampled output under a grammar departs from the masked target distribution (p = {p:.2e})"
+    counts, _ = sample_prefixes(greedy, prompt_ids, REQUESTS // 2)
+    p = chi_square_pvalue(counts, grammar_joint)
+    print(f"greedy verification under the grammar: chi-square p = {p:.3g}")
+    assert p < 1e-6, f"greedy verification passed the test (p = {p:.2e}): the test has no power"
