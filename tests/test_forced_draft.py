@@ -197,3 +197,46 @@ def test_the_span_after_the_root_hangs_where_the_draft_parts_from_it(monkeypatch
     row = row_tree(toks.tolist(), first.tolist(), sibling.tolist())
     base = spans.extend(row.tree, list(row.tokens), g, 16, rank_priority(row))
     assert forced_draft.with_root_span(spans, row, base, g, 16) is base
+
+
+def test_span_outcomes_count_where_spans_hung_and_how_far_they_went():
+    #   0 ─ 1 ─ 2 ─ 4' 5'      below the leaf 2: reached, its first token accepted, its second not
+    #    │   └─ 8' 9'          below the inner node 1 (the span after the root, where the draft parted from it):
+    #    └─ 3 ─ 6' 7'          reached, cut at its first token; below the leaf 3: not reached
+    from entmtp_sglang.forced_spans import extend_tree
+
+    tree = Tree((-1, 0, 1, 0))
+    ext = extend_tree(tree, [10, 11, 12, 13], {2: [20, 21], 3: [30, 31], 1: [40, 41]}, inner=True)
+    outcomes = forced_draft.SpanOutcomes()
+    spans = {sp.leaf: sp for sp in ext.spans}
+    outcomes.add(ext, (0, 1, 2, spans[2].first))             # 2's span: first token accepted, second not
+    assert outcomes.kinds["leaf"] == [2, 4, 1, 0, 1, 2]       # 3's span not reached; 2 tokens tried
+    assert outcomes.kinds["inner"] == [1, 2, 1, 1, 0, 1]      # 1 was reached, its span cut at the first token
+    outcomes.steps = 1
+    assert "leaf: 2 spans of 2.0 tokens, 50% reached" in outcomes.summary()
+    assert "inner: 1 spans of 2.0 tokens, 100% reached, 100% of those cut" in outcomes.summary()
+
+
+def test_spans_are_cut_to_what_pays_for_its_verify():
+    """A span's k-th token is accepted with probability reach * acceptance**k; it is verified only where that is at
+    least the token's price in emitted tokens (per-token seconds against a step's seconds per emitted token)."""
+    assert forced_draft.span_cap(0.5, 0.8, 0.0, 16) == 16                  # free tokens: the whole span
+    assert forced_draft.span_cap(0.5, 0.8, 0.2, 16) == 4                   # 0.5 * 0.8**4 = 0.205; ** 5 = 0.164
+    assert forced_draft.span_cap(0.5, 0.8, 0.2, 3) == 3
+    assert forced_draft.span_cap(0.2, 0.9, 0.3, 16) == 0                   # rarely reached: no span
+    assert forced_draft.span_cap(1.0, 1.0, 0.9, 16) == 16                  # always accepted: whatever it costs
+    # 2 ms a token against a 40 ms step emitting 3 tokens a row, one row: 0.15; eight rows: 1.2 (nothing pays)
+    assert forced_draft.token_threshold(0.002, 0.040, 1, 3.0) == pytest.approx(0.15)
+    assert forced_draft.token_threshold(0.002, 0.040, 8, 3.0) == pytest.approx(1.2)
+    assert forced_draft.token_threshold(0.0, 0.040, 1, 3.0) == 0.0         # verify tokens free (a GPU at batch 1)
+    # the caps follow what the server's spans did: spans below the top-1 leaf seldom reached get shorter
+    spans = ForcedSpans(spell, forced_config_from_env())
+    fd = forced_draft.ForcedDraft(spans, len(VOCAB))
+    assert fd.caps(0.0) == (16, 16)
+    before = fd.caps(0.15)
+    fd.outcomes.kinds["leaf"] = [100, 700, 20, 0, 60, 80]                 # 20 % reached, 0.75 a token
+    leaf, inner = fd.caps(0.15)
+    assert leaf < before[0] and inner == before[1] and leaf == forced_draft.span_cap(
+        *fd.outcomes.worth("leaf"), 0.15, 16)
+    fd.observe([2, 4])
+    assert fd.tokens_per_row == pytest.approx(2.0 + 0.05 * (4.0 - 2.0))

@@ -199,27 +199,32 @@ class TreeController:
         (`ragged_cost.tree_set_cost`), or under the engine's own fit on its ragged steps (`set_ragged_cost`).
         Returns (shape key, per-request tree ids); every id chain:0 means the step decodes without speculation
         (and the group's rest is scheduled). None when no tree fits the room."""
-        from ..calibrate.ragged_cost import tree_set_cost
-
         if not requests:
             raise ValueError("choose_ragged needs at least one request")
         self.pinned(requests)   # UnknownTreeError for a pin the set lacks
         options = request_options(self, requests, {r.key: self.current[r.key] for r in requests
                                                    if r.key in self.current})
-        batch = rows or len(requests)
+        key, alloc = allocate_ragged(options, shapes, self.ragged_step_cost(rows or len(requests)),
+                                     budget_config(self))
+        return key, self._take(requests, alloc, group)
+
+    def ragged_step_cost(self, batch: int):
+        """What a ragged step of `batch` rows costs, `cost(total tokens, max depth, batch) -> seconds`: the engine's
+        own fit on its ragged steps (`set_ragged_cost`), else the tree set's line (`ragged_cost.tree_set_cost`) at
+        its measured batch size, scaled to `batch` rows."""
+        from ..calibrate.ragged_cost import tree_set_cost
+
         online = self.__dict__.get("ragged_cost")   # fitted on this server's own ragged steps (set_ragged_cost)
         if online is not None:
-            cost = online
-        else:
-            cached = self.__dict__.get("_ragged_cost")
-            if cached is None or cached[0] is not self.tree_set or cached[1] != batch:   # refit sets replace it
-                cached = self.__dict__["_ragged_cost"] = (self.tree_set, batch, *tree_set_cost(self.tree_set, batch))
-            line, measured = cached[2], cached[3]
+            return online
+        cached = self.__dict__.get("_ragged_cost")
+        if cached is None or cached[0] is not self.tree_set or cached[1] != batch:   # refit sets replace it
+            cached = self.__dict__["_ragged_cost"] = (self.tree_set, batch, *tree_set_cost(self.tree_set, batch))
+        line, measured = cached[2], cached[3]
 
-            def cost(total, depth, b):
-                return line(total * measured / b, depth, measured)
-        key, alloc = allocate_ragged(options, shapes, cost, budget_config(self))
-        return key, self._take(requests, alloc, group)
+        def cost(total, depth, b):
+            return line(total * measured / b, depth, measured)
+        return cost
 
     def set_ragged_cost(self, cost) -> None:
         """Price ragged steps (`choose_ragged`) by `cost` (a `ragged_cost.RaggedStepCost` fitted on the engine's own

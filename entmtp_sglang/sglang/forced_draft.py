@@ -135,7 +135,8 @@ def top1_leaf(tree: Tree) -> int:
     return node
 
 
-def with_root_span(spans: ForcedSpans, row: RowTree, ext: Extended, grammar, room: int) -> Extended:
+def with_root_span(spans: ForcedSpans, row: RowTree, ext: Extended, grammar, room: int,
+                   max_rest: int | None = None) -> Extended:
     """`ext` (the row's tree with its top-1 leaf's span) and the span right after the root, where the draft parts from
     it: followed down the drafted tree while a drafted child holds its next token, the rest hung below the node where
     no child does, unless that is the top-1 path's leaf (its own span is the same text) or the draft holds it all:
@@ -143,10 +144,11 @@ def with_root_span(spans: ForcedSpans, row: RowTree, ext: Extended, grammar, roo
         0 ─ 1 ─ 3 ─ f f f     the top-1 path, spelled otherwise than the tokenizer: its own span
          └─ 2 ─ r r r r       2 is the span's first token, 4 would be its second: the rest below 2
 
-    Within the config's max_nodes per request, after the top-1 leaf's span."""
+    Within the config's max_nodes per request, after the top-1 leaf's span; at most `max_rest` tokens below the node
+    where the draft parted from it (what pays, `span_cap`)."""
     tree = row.tree
     budget = spans.config.max_nodes - ext.num_forced
-    if budget <= 0:
+    if budget <= 0 or max_rest == 0:
         return ext
     span = spans.root_span(grammar, min(room, budget))
     node, i = 0, 0
@@ -155,7 +157,8 @@ def with_root_span(spans: ForcedSpans, row: RowTree, ext: Extended, grammar, roo
         if kid is None:
             break
         node, i = kid, i + 1
-    rest = span[i: i + max(0, room - tree.depths[node])]
+    limit = room - tree.depths[node] if max_rest is None else min(room - tree.depths[node], max_rest)
+    rest = span[i: i + max(0, limit)]
     if not rest or node == top1_leaf(tree):
         return ext
     chains = {sp.leaf: list(sp.tokens) for sp in ext.spans}
@@ -247,6 +250,76 @@ def new_tokens_left(req) -> int:
     return max(int(limit) - len(getattr(req, "output_ids", ()) or ()), 0)
 
 
+def span_cap(reach: float, acceptance: float, threshold: float, max_tokens: int) -> int:
+    """How many tokens of a span are worth verifying: its k-th token is accepted with probability
+    reach * acceptance**k (the span reached, then k tokens in a row the target's), and verifying it costs
+    `threshold` of one emitted token's time (`token_threshold`); the longest prefix whose last token still pays,
+    at most `max_tokens` (0: no span)."""
+    if threshold <= 0:
+        return max_tokens
+    k, p = 0, reach
+    while k < max_tokens and p * acceptance >= threshold:
+        k, p = k + 1, p * acceptance
+    return k
+
+
+def token_threshold(per_token: float, step_seconds: float, rows: int, tokens_per_row: float) -> float:
+    """A verified token's cost in emitted tokens: `per_token` seconds against a step of `step_seconds` that emits
+    `rows * tokens_per_row` tokens (a forced token pays where its chance of acceptance is at least this)."""
+    if step_seconds <= 0 or per_token <= 0:
+        return 0.0
+    return per_token * rows * max(tokens_per_row, 1.0) / step_seconds
+
+
+@dataclass
+class SpanOutcomes:
+    """What became of the server's forced spans, by where they hung: below a leaf of the drafted tree ("leaf": the
+    top-1 path's) or inside it ("inner": the span after the root, where the draft parted from it). Per kind:
+    [spans, forced tokens, spans reached (the accepted path came to their first token), of them rejected at the
+    first token, forced tokens accepted, forced tokens tried (of reached spans: up to and including the first
+    rejected one)]. `worth(kind)`: the chance a span of that kind is reached and the per-token acceptance once it
+    is, each with a prior (`PRIOR_REACH`, `ForcedSpanConfig.prior_acceptance`) worth `PRIOR_WEIGHT` observations."""
+
+    PRIOR_REACH = {"leaf": 0.5, "inner": 0.9}
+    PRIOR_WEIGHT = 8.0
+
+    steps: int = 0
+    kinds: dict = None
+    prior_acceptance: float = 0.9
+
+    def __post_init__(self):
+        self.kinds = {"leaf": [0, 0, 0, 0, 0, 0], "inner": [0, 0, 0, 0, 0, 0]}
+
+    def worth(self, kind: str) -> tuple[float, float]:
+        spans, _, reached, _, accepted, tried = self.kinds[kind]
+        w = self.PRIOR_WEIGHT
+        return ((reached + w * self.PRIOR_REACH[kind]) / (spans + w),
+                (accepted + w * self.prior_acceptance) / (tried + w))
+
+    def add(self, ext: Extended, accepted: tuple[int, ...]) -> None:
+        on_path = set(accepted)
+        drafted_parents = set(ext.tree.parents[1: ext.num_drafted])
+        for sp in ext.spans:
+            c = self.kinds["inner" if sp.leaf in drafted_parents else "leaf"]
+            k = 0
+            while k < len(sp.tokens) and sp.first + k in on_path:
+                k += 1
+            reached = sp.leaf in on_path
+            c[0], c[1], c[2] = c[0] + 1, c[1] + len(sp.tokens), c[2] + reached
+            c[3] += reached and k == 0
+            c[4] += k
+            c[5] += (k + (k < len(sp.tokens))) if reached else 0
+
+    def summary(self) -> str:
+        parts = []
+        for kind, (spans, tokens, reached, first, accepted, _) in self.kinds.items():
+            if spans:
+                parts.append(f"{kind}: {spans} spans of {tokens / spans:.1f} tokens, {reached / spans:.0%} reached, "
+                             f"{first / max(reached, 1):.0%} of those cut at their first token, {accepted} of "
+                             f"{tokens} tokens accepted")
+        return "; ".join(parts) or "none"
+
+
 @dataclass
 class ForcedStep:
     """This step's forced spans: the layout verified, the ragged verify it rides, and the width it replaced."""
@@ -262,9 +335,27 @@ class ForcedDraft:
     verify); `verified` counts what was accepted; `policy_counts` cuts the acceptance feedback to the drafted
     depth. Per-request statistics live in `stats` (rid -> `ForcedStats`) until the request leaves."""
 
+    LOG_EVERY = 200   # steps with spans between two start-up-log lines of the server's span outcomes
+
     def __init__(self, spans: ForcedSpans, vocab_size: int):
         self.spans, self.vocab_size = spans, vocab_size
         self.stats: dict[str, ForcedStats] = {}
+        self.outcomes = SpanOutcomes(prior_acceptance=spans.config.prior_acceptance)
+        self.tokens_per_row = 2.0   # tokens a row emits per speculating step (a running mean, `observe`)
+        self.last_caps = (spans.config.max_tokens, spans.config.max_tokens)
+
+    def observe(self, accepted: list[int]) -> None:
+        """A verified step's accepted drafts per row, into the running mean of tokens emitted per row and step."""
+        if accepted:
+            mean = 1.0 + sum(accepted) / len(accepted)
+            self.tokens_per_row += 0.05 * (mean - self.tokens_per_row)
+
+    def caps(self, threshold: float) -> tuple[int, int]:
+        """The longest spans worth verifying below the top-1 leaf and after the root (`span_cap` over what the
+        server's spans did so far, `outcomes.worth`), at a verified token's cost `threshold` (`token_threshold`)."""
+        n = self.spans.config.max_tokens
+        return (span_cap(*self.outcomes.worth("leaf"), threshold, n),
+                span_cap(*self.outcomes.worth("inner"), threshold, n))
 
     @classmethod
     def for_worker(cls, tokenizer_path: str, vocab_size: int, ragged: bool, topk: int) -> ForcedDraft | None:
@@ -285,12 +376,13 @@ class ForcedDraft:
                     "draft (%s=0 turns them off)", config.max_tokens, ENV_FORCED)
         return cls(ForcedSpans(lambda text: tok.encode(text, add_special_tokens=False), config), vocab_size)
 
-    def extend(self, spec, ragged: RaggedVerify | None, reqs, grammars: dict[int, object], kv_rooms: list[int]
-               ) -> ForcedStep | None:
+    def extend(self, spec, ragged: RaggedVerify | None, reqs, grammars: dict[int, object], kv_rooms: list[int],
+               threshold: float = 0.0) -> ForcedStep | None:
         """Hang each constrained row's spans into SGLang's verify input `spec` (an EagleVerifyInput; edited in
         place) and return the step, or None when no row has a span (`spec` untouched). `grammars`: row -> SGLang
         grammar object of the rows that may take spans; `kv_rooms[row]`: KV positions left before its context
-        limit (a row takes spans only where N + max_nodes fit)."""
+        limit (a row takes spans only where N + max_nodes fit); `threshold`: a verified token's cost in emitted
+        tokens (`token_threshold`; 0: every span at its full length), which caps each span (`caps`)."""
         if not grammars or getattr(spec, "prepared_out_cache_loc", None) is not None \
                 or getattr(spec, "kv_loc_plan", None) is not None:
             return None
@@ -305,6 +397,7 @@ class ForcedDraft:
         host_tokens, host_first, host_sibling = tokens.tolist(), first.tolist(), sibling.tolist()
         rows = [row_tree(host_tokens[b], host_first[b], host_sibling[b]) for b in range(bs)]
         extended: list[Extended | None] = [None] * bs
+        leaf_cap, inner_cap = self.last_caps = self.caps(threshold)
         for b, g in grammars.items():
             grammar = SGLangGrammar.of(g, self.vocab_size)
             room = new_tokens_left(reqs[b]) if kv_rooms[b] >= n + self.spans.config.max_nodes else 0
@@ -312,8 +405,9 @@ class ForcedDraft:
                 continue
             row = rows[b]
             try:
-                ext = self.spans.extend(row.tree, list(row.tokens), grammar, room, rank_priority(row))
-                ext = with_root_span(self.spans, row, ext, grammar, room)
+                leaf_room = min(room, row.tree.depths[top1_leaf(row.tree)] + leaf_cap)
+                ext = self.spans.extend(row.tree, list(row.tokens), grammar, leaf_room, rank_priority(row))
+                ext = with_root_span(self.spans, row, ext, grammar, room, inner_cap)
             except Exception:   # drafting must never fail a request: no span for it this step
                 logger.exception("ENTMTP: forced span failed for %s; none this step", reqs[b].rid)
                 continue
@@ -353,11 +447,17 @@ class ForcedDraft:
                 continue
             stats = self.stats.setdefault(r.rid, ForcedStats())
             nodes = accepted_nodes(step.layout.columns[b], rows[b], step.layout.num_nodes, b)
+            self.outcomes.add(ext, nodes)
             got = self.spans.verified(ext, nodes, stats)
             stats.output_tokens += got
             out.append((ext.num_forced, got))
         if len(self.stats) > 4 * max(64, len(reqs)):
             self.stats = {k: v for k, v in self.stats.items() if k in live}
+        self.outcomes.steps += 1
+        if self.outcomes.steps % self.LOG_EVERY == 0:
+            logger.info("ENTMTP forced spans over %d steps: %s; %.2f tokens a row per step; spans capped at %s "
+                        "(below the top-1 leaf, after the root) at the last step's token price", self.outcomes.steps,
+                        self.outcomes.summary(), self.tokens_per_row, self.last_caps)
         return out
 
     @staticmethod

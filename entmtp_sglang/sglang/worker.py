@@ -62,7 +62,7 @@ from . import grammar_draft, observe, visibility
 from .config import ENV_PROFILE, ENV_TREE_TRACE, EntMtpConfig, pin_of
 from .cpu.attention import NAME as ATTENTION_NAME
 from .cpu.attention import RAGGED_ATTR, MultiStepDraftBackend, TorchTreeAttnBackend
-from .forced_draft import ForcedDraft, ForcedStep
+from .forced_draft import ForcedDraft, ForcedStep, token_threshold
 from .patches import patch_instance
 from .ragged import scatter_rows
 from .recording import StepObserver
@@ -487,6 +487,20 @@ class EntMtpWorker(EAGLEWorkerV2):
         finally:
             self.topk = topk
 
+    def _forced_threshold(self, rows: int) -> float:
+        """A verified token's price in emitted tokens this step (forced_draft.token_threshold): the step cost the
+        policy prices ragged steps by (`TreeController.ragged_step_cost`: this server's own fit once it has one),
+        one more token against the whole step, which emits `rows` times the running mean of tokens per row."""
+        step = self._step
+        total = step.ragged.total_tokens if step.ragged is not None else rows * step.num_nodes
+        try:
+            cost = self.controller.ragged_step_cost(rows)
+            seconds = cost(total, step.num_steps, rows)
+            per_token = cost(total + 1, step.num_steps, rows) - seconds
+        except Exception:   # no cost to price by: spans at their full length
+            return 0.0
+        return token_threshold(per_token, seconds, rows, self.forced.tokens_per_row)
+
     def _forced_spans(self, batch) -> None:
         """Forced spans (forced_draft.py) into this step's verify input: each constrained row that may take tokens
         beyond one per step gets the grammar's text below its leaves; the step then verifies raggedly, N' wide."""
@@ -495,7 +509,8 @@ class EntMtpWorker(EAGLEWorkerV2):
             i: g for i, r in enumerate(reqs)
             if not self._never_drafts(r) and not needs_plain_decoding([r])
             and (g := grammar_draft.live_grammar(r)) is not None}
-        step = self.forced.extend(batch.spec_info, self._step.ragged, reqs, grammars, [self._room(r) for r in reqs])
+        step = self.forced.extend(batch.spec_info, self._step.ragged, reqs, grammars, [self._room(r) for r in reqs],
+                                  self._forced_threshold(len(reqs)) if grammars else 0.0)
         if step is not None:
             self._forced_step, self._forced_width = step, step.base_width
             self._step = self._step.with_ragged(step.ragged)
@@ -675,6 +690,8 @@ class EntMtpWorker(EAGLEWorkerV2):
         if len(reqs) == len(num_correct_drafts_per_req):
             counts = [int(n) for n in num_correct_drafts_per_req]
             fed = ForcedDraft.policy_counts(forced, counts) if forced is not None else counts
+            if self.forced is not None and self._step.drafts:
+                self.forced.observe(counts)
             for r, n, m in zip(reqs, counts, fed):
                 visibility.note(r, visibility.ACCEPTED, n)
                 self.controller.record(r.rid, m)   # acceptance feedback: realized vs expected (drafted depth)
