@@ -115,3 +115,22 @@ def test_a_grammar_that_forces_nothing_gets_no_span_and_equals_plain(servers):
     out = ent.post("/generate", job)
     _equal(plain, [out], [job])
     assert _forced(out) == (0, 0), out["meta_info"].get("entmtp_forced")
+
+
+def test_a_span_that_completes_the_grammar_ends_the_output(servers):
+    """After the first word everything is the grammar's, to its end: the output finishes inside a forced span (the
+    grammar complete, the request stopped by it, not by max_new_tokens), equal to plain's, at batch 1 and beside an
+    unconstrained request."""
+    plain, ent = servers
+    ask = "User: Is the sky blue?\nAssistant: "
+    job = {"text": ask, "sampling_params": {**GREEDY, "ebnf": 'root ::= ("yes" | "no") ", the sky is blue today."'}}
+    free = {"text": ask, "sampling_params": {**GREEDY, "max_new_tokens": 16}}
+    for jobs in ([job], [job, free]):
+        with cf.ThreadPoolExecutor(len(jobs)) as pool:
+            outs = list(pool.map(lambda j: ent.post("/generate", j), jobs))
+        _equal(plain, outs, jobs)
+        out = outs[0]
+        assert out["text"].endswith("the sky is blue today."), out["text"]
+        assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]["finish_reason"]
+        verified, accepted = _forced(out)
+        assert accepted > 0 and len(out["output_ids"]) < GREEDY["max_new_tokens"], (verified, accepted, out)
