@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -284,11 +284,8 @@ class SpanOutcomes:
     PRIOR_WEIGHT = 8.0
 
     steps: int = 0
-    kinds: dict = None
+    kinds: dict = field(default_factory=lambda: {"leaf": [0] * 6, "inner": [0] * 6})
     prior_acceptance: float = 0.9
-
-    def __post_init__(self):
-        self.kinds = {"leaf": [0, 0, 0, 0, 0, 0], "inner": [0, 0, 0, 0, 0, 0]}
 
     def worth(self, kind: str) -> tuple[float, float]:
         spans, _, reached, _, accepted, tried = self.kinds[kind]
