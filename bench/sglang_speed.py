@@ -31,9 +31,10 @@ the trees each kind of request took inside it (ENTMTP picks a tree per request).
 in the compact JSON layout (`json-compact`, `tool-call-compact`: stock, plain and ENTMTP restarted with SGLang's
 --constrained-json-disable-any-whitespace, where the grammar alone decides much more of the text; `--json-layouts`).
 The forced-spans column: the share of the output tokens that came from forced spans (text the grammar decides,
-drafted below ENTMTP's trees), their acceptance and tokens verified per span. The servers of a wave are measured
-interleaved (entmtp_sglang/bench/sglang_benchmark.py); tokens/s is the median over repeats, and every output is
-compared with plain decoding's (with this package) and stock SGLang's.
+drafted below ENTMTP's trees), their acceptance and tokens verified per span; after "repeats:", the same for lookup
+spans (the request's own text repeating where the grammar decides nothing, ENTMTP_LOOKUP_SPANS). The servers of a
+wave are measured interleaved (entmtp_sglang/bench/sglang_benchmark.py); tokens/s is the median over repeats, and
+every output is compared with plain decoding's (with this package) and stock SGLang's.
 """
 
 from __future__ import annotations
@@ -78,11 +79,14 @@ ENTMTP_ONE_TREE = SystemSpec("entmtp-one-tree", "ENTMTP", env=(("ENTMTP_PER_ROW_
 ENTMTP_NO_RAGGED = SystemSpec("entmtp-no-ragged", "ENTMTP", env=(("ENTMTP_RAGGED", "0"),))
 # without forced spans (the text a request's grammar decides, drafted below its tree): an ablation, not run unless named
 ENTMTP_NO_FORCED = SystemSpec("entmtp-no-forced", "ENTMTP", env=(("ENTMTP_FORCED_SPANS", "0"),))
+# forced spans of the grammar's text only, without the request's own text repeating where the grammar decides
+# nothing (lookup spans): an ablation, not run unless named
+ENTMTP_NO_LOOKUP = SystemSpec("entmtp-no-lookup", "ENTMTP", env=(("ENTMTP_LOOKUP_SPANS", "0"),))
 # ENTMTP with the EAGLE-3 drafter trained on fixed data (models/<model>/eagle3/, issue 38), where the model has one
 ENTMTP_EAGLE3 = SystemSpec("entmtp-eagle3", "ENTMTP", draft="eagle3")
 # stock and plain in every wave; ENTMTP's wave first, beside adaptive
 SYSTEMS = (STOCK, PLAIN, ENTMTP, *EAGLE_SGLANG_LAYERS)
-OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED)
+OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED, ENTMTP_NO_LOOKUP)
 EVERY_WAVE = (STOCK.name, PLAIN.name)
 DEFAULT = tuple(s.name for s in SYSTEMS)
 AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB
@@ -91,7 +95,8 @@ TASKS = ("code", "chat", "prose", "json", "tool-call")
 # server flag: a second set of servers), on these systems where they run
 COMPACT = "--constrained-json-disable-any-whitespace"
 COMPACT_TASKS = ("json", "tool-call")
-COMPACT_SYSTEMS = (STOCK.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name, ENTMTP_NO_FORCED.name)
+COMPACT_SYSTEMS = (STOCK.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name, ENTMTP_NO_FORCED.name,
+                   ENTMTP_NO_LOOKUP.name)
 # the mixed batch: agent traffic, every batch in flight mixing schema extraction, tool calls, code and chat
 MIXED_BATCH_TASKS = ("json", "tool-call", "code", "chat")
 
@@ -202,6 +207,8 @@ def mixed_rows(rows: list[Row], batches) -> list[Row]:
                 trees = sum((r.trees for r in part), start=type(part[0].trees)())
                 spans = [r.forced for r in part if r.forced]
                 forced = [sum(f[k] for f in spans) for k in range(3)] if spans else None
+                repeats = [r.lookup for r in part if r.lookup]
+                lookup = [sum(f[k] for f in repeats) for k in range(3)] if repeats else None
                 # per repeat: every task's tokens (the same each repeat, greedy) over its seconds in that repeat
                 per_repeat = _per_repeat([(r.tokens, r.repeat_tokens_per_s) for r in part])
                 beside = ([] if not all(r.plain_repeat_tokens_per_s and r.task in base for r in part) else
@@ -210,7 +217,8 @@ def mixed_rows(rows: list[Row], batches) -> list[Row]:
                                [a for r in part for a in r.accept_lengths], trees,
                                None if None in eq else sum(eq), sum(r.requests for r in part), per_repeat,
                                task="mixed", plain_repeat_tokens_per_s=beside,
-                               equal_to_stock=None if None in eq_stock else sum(eq_stock), forced=forced))
+                               equal_to_stock=None if None in eq_stock else sum(eq_stock), forced=forced,
+                               lookup=lookup))
     return out
 
 

@@ -88,6 +88,11 @@ class Span:
     leaf: int
     first: int
     tokens: tuple[int, ...]
+    guessed: tuple[bool, ...] = ()   # per token, whether a lookup guessed it (not the grammar); () none was
+
+    @property
+    def num_guessed(self) -> int:
+        return sum(self.guessed)
 
 
 @dataclass(frozen=True)
@@ -104,9 +109,11 @@ class Extended:
         return self.tree.num_nodes - self.num_drafted
 
 
-def extend_tree(tree: Tree, tokens: list[int], spans: dict[int, list[int]], inner: bool = False) -> Extended:
+def extend_tree(tree: Tree, tokens: list[int], spans: dict[int, list[int]], inner: bool = False,
+                guessed: dict[int, tuple[bool, ...]] | None = None) -> Extended:
     """`tree` with a chain of `spans[leaf]` below each leaf named, appended in leaf order. `inner`: a named node may
-    have children too (the chain is then its last child)."""
+    have children too (the chain is then its last child). `guessed[leaf]`: per token of its span, whether a lookup
+    guessed it (`Span.guessed`)."""
     parents, toks, out = list(tree.parents), list(tokens[: tree.num_nodes]), []
     for leaf in sorted(spans):
         chain = spans[leaf]
@@ -114,7 +121,8 @@ def extend_tree(tree: Tree, tokens: list[int], spans: dict[int, list[int]], inne
             continue
         if tree.children[leaf] and not inner:
             raise ValueError(f"node {leaf} has children: forced spans hang below leaves only")
-        out.append(Span(leaf, len(parents), tuple(chain)))
+        tags = tuple((guessed or {}).get(leaf, ()))
+        out.append(Span(leaf, len(parents), tuple(chain), tags if any(tags) and len(tags) == len(chain) else ()))
         for k, t in enumerate(chain):
             parents.append(leaf if k == 0 else len(parents) - 1)
             toks.append(int(t))
@@ -184,6 +192,7 @@ class ForcedSpans:
         it gives less than `min_reach` are left alone; else node order."""
         budget = self.config.max_nodes
         spans: dict[int, list[int]] = {}
+        guessed: dict[int, tuple[bool, ...]] = {}
         depths = tree.depths
         leaves = [n for n in range(tree.num_nodes) if not tree.children[n]]
         if logprobs is not None:
@@ -201,8 +210,9 @@ class ForcedSpans:
             span = grammar.forced_span(path_tokens(tree, tokens, leaf), self.spell, cap)
             if span:
                 spans[leaf] = span
+                guessed[leaf] = tuple(getattr(grammar, "last_guessed", ()))
                 budget -= len(span)
-        return extend_tree(tree, tokens, spans)
+        return extend_tree(tree, tokens, spans, guessed=guessed)
 
     # -- after verification --------------------------------------------------------------------
     def verified(self, ext: Extended, accepted_nodes: tuple[int, ...], stats: ForcedStats) -> int:
@@ -220,3 +230,54 @@ class ForcedSpans:
         stats.add(step)
         self.seen.add(step)
         return step.accepted
+
+
+class HistoryLookup:
+    """A request's own text as a draft (prompt lookup / n-gram drafting): after the tokens so far, the token that
+    followed the latest earlier occurrence of their last n tokens in the request's history (prompt and output),
+    the longest match first, n from `max_n` down to `min_n`; None where none occurred.
+
+        history  ... {"id": 1, "tags": ["a"]}, {"id": 2, "tags": ["b"]}, {"
+        below    id                      (tokens below the root: a draft path, then what the span took)
+        -> `":` the token after the latest earlier `{"id` (n = 2 here: `{"`, `id`)
+
+    Structured output repeats itself (the keys of every object in an array, values copied from the prompt), and a
+    small model under a schema often loops; where the grammar decides nothing, this guesses the repeat. A guess is
+    a draft like any other: the target verifies it. `sync` keeps the index up to date as the output grows (append
+    only; another prompt, or an output that is not the indexed one grown, rebuilds it)."""
+
+    def __init__(self, min_n: int = 2, max_n: int = 4):
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.prompt_len = -1
+        self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def sync(self, prompt, output) -> None:
+        """Make the history `prompt` + `output`: the new output tokens indexed (all of it if the prompt changed or
+        the history shrank)."""
+        total, known = len(prompt) + len(output), len(self.tokens) - self.prompt_len   # output tokens indexed
+        if (len(prompt) != self.prompt_len or total < len(self.tokens)
+                or (prompt and int(prompt[-1]) != self.tokens[self.prompt_len - 1])
+                or (known > 0 and int(output[known - 1]) != self.tokens[-1])):
+            self.tokens, self.prompt_len = [int(t) for t in prompt], len(prompt)
+            self.index = {n: {} for n in self.index}
+            done = 0
+        else:
+            done = len(self.tokens)
+        self.tokens.extend(int(t) for t in output[len(self.tokens) - self.prompt_len:])
+        # n-grams ending at e <= len - 2, so every indexed one has a token after it; later ends overwrite earlier
+        toks = self.tokens
+        for e in range(max(done - 1, 0), len(toks) - 1):
+            for n, idx in self.index.items():
+                if e + 1 >= n:
+                    idx[tuple(toks[e + 1 - n: e + 1])] = e
+
+    def __call__(self, below) -> int | None:
+        tail = (self.tokens[-self.max_n:] + [int(t) for t in below])[-self.max_n:]
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            e = self.index[n].get(tuple(tail[-n:]))
+            if e is not None:
+                return self.tokens[e + 1]
+        return None

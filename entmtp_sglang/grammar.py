@@ -87,6 +87,23 @@ def _bool_mask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return unpacked.flatten(1)[:, :vocab_size]
 
 
+def _only_legal(bitmask: torch.Tensor, vocab_size: int) -> int | None:
+    """The one legal token of a one-row xgrammar bitmask, None where none or several are (read off the packed
+    words: one nonzero word with one bit set; unpacking the whole vocabulary costs a millisecond)."""
+    n, rem = (vocab_size + 31) // 32, vocab_size % 32
+    words = bitmask[0, :n]
+    if rem:   # bits past the vocabulary in its last word are no tokens
+        words = words.clone()
+        words[-1] &= (1 << rem) - 1
+    nz = torch.nonzero(words).flatten()
+    if nz.numel() != 1:
+        return None
+    w = int(words[nz[0]]) & 0xFFFFFFFF
+    if w & (w - 1):
+        return None
+    return int(nz[0]) * 32 + w.bit_length() - 1
+
+
 class RequestGrammar:
     def __init__(self, compiled, vocab_size: int):
         import xgrammar as xgr
@@ -147,7 +164,8 @@ class RequestGrammar:
         return True
 
 
-def jump_forward_span(matcher, path: list[int], spell, max_tokens: int, vocab_size: int) -> list[int]:
+def jump_forward_span(matcher, path: list[int], spell, max_tokens: int, vocab_size: int,
+                      lookup=None, guessed: list | None = None) -> list[int]:
     """The tokens an xgrammar `GrammarMatcher` alone decides after `path` (tokens below its current state), at most
     `max_tokens`: [] where the path is illegal or nothing is decided. The matcher is left as found.
 
@@ -156,10 +174,14 @@ def jump_forward_span(matcher, path: list[int], spell, max_tokens: int, vocab_si
             text = the grammar's jump-forward string (xgrammar: the text every legal continuation starts with),
                    less trailing whitespace (a tokenizer joins it to the next word: `": ` is spelled `":` ` 1`)
             if text:  take spell(text) (the tokenizer's spelling) up to its first token the grammar refuses
+            elif lookup(path + taken) names a token the grammar allows: take it (the request's own text
+                 repeating, `forced_spans.HistoryLookup`; a guess, not the grammar's decision, except where it
+                 is the only legal token, which the next line would take anyway)
             elif exactly one token is legal (a stop token, a token only one spelling reaches): take it
             else: stop
         roll everything back
 
+    `guessed`, if given, gets one bool per returned token: whether the lookup guessed it (else the grammar decided it).
     `spell(text) -> list[int]` is the tokenizer's ordinary encoding of `text` (no special tokens). The model may
     spell the same text otherwise: the span is a draft, verified like any other. Shared by the reference engine
     (`RequestGrammar.forced_span`) and SGLang's grammar objects (`sglang/forced_draft.py`)."""
@@ -174,6 +196,7 @@ def jump_forward_span(matcher, path: list[int], spell, max_tokens: int, vocab_si
             return []
         accepted += 1
     out: list[int] = []
+    bm = None
     try:
         while len(out) < max_tokens and not m.is_terminated():
             text = m.find_jump_forward_string().rstrip()
@@ -184,13 +207,25 @@ def jump_forward_span(matcher, path: list[int], spell, max_tokens: int, vocab_si
                         break
                     out.append(int(t))
                     took += 1
+                    if guessed is not None:
+                        guessed.append(False)
             else:
-                bm = xgr.allocate_token_bitmask(1, vocab_size)
-                m.fill_next_token_bitmask(bm)
-                legal = _bool_mask(bm, vocab_size)[0].nonzero().flatten()
-                if legal.numel() == 1 and m.accept_token(int(legal[0])):
-                    out.append(int(legal[0]))
+                guess = lookup(list(path) + out) if lookup is not None else None
+                if guess is not None and m.accept_token(int(guess)):
+                    out.append(int(guess))
                     took = 1
+                    if guessed is not None:
+                        guessed.append(True)
+                else:
+                    if bm is None:
+                        bm = xgr.allocate_token_bitmask(1, vocab_size)
+                    m.fill_next_token_bitmask(bm)
+                    only = _only_legal(bm, vocab_size)
+                    if only is not None and m.accept_token(only):
+                        out.append(only)
+                        took = 1
+                        if guessed is not None:
+                            guessed.append(False)
             if not took:
                 break
     finally:

@@ -342,12 +342,16 @@ def test_forced_spans_and_the_compact_layout_in_the_product_table(tmp_path):
             row("plain-stock", "tool-call", 10.0), row("entmtp", "tool-call", 20.0, [5, 20, 10]),
             row("plain-stock", "json-compact", 10.0), row("entmtp", "json-compact", 25.0, [8, 64, 48])]
     assert rows[1].forced_summary == "30% of tokens, 75% accepted, 4.0 a span"
+    rows[1].lookup = [4, 20, 5]   # lookup spans (meta_info["entmtp_lookup"]): shown after the grammar's
+    assert rows[1].forced_summary == "30% of tokens, 75% accepted, 4.0 a span; repeats: 5% of tokens, 25% " \
+        "accepted, 5.0 a span"
     assert row("entmtp", "code", 12.0).forced_summary == ""
     mixed = {r.system: r for r in speed.mixed_rows(rows, (1,))}
     assert mixed["entmtp"].forced == [15, 60, 40] and mixed["entmtp"].tokens == 200    # compact rows left out
+    assert mixed["entmtp"].lookup == [4, 20, 5]
     write(rows, tmp_path, {"run": 1}, name="run")
     back = rows_from_jsonl(tmp_path / "run.jsonl")
-    assert [r.forced for r in back] == [r.forced for r in rows]
+    assert [(r.forced, r.lookup) for r in back] == [(r.forced, r.lookup) for r in rows]
     text = speed.tables(back + list(mixed.values()))
     assert "forced spans |" in text.splitlines()[2]
     assert "| json-compact | entmtp | 1 | 25.0 | 2.50x | 2.50x |" in text and "48% of tokens, 75% accepted, 8.0 a " \

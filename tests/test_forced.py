@@ -12,6 +12,7 @@ from entmtp_sglang.engine.engine import Engine, static_chooser
 from entmtp_sglang.engine.forced import ForcedSpanConfig, ForcedSpans, ForcedStats, extend_tree, path_tokens
 from entmtp_sglang.engine.plain import generate_plain
 from entmtp_sglang.engine.sampling import SamplingParams
+from entmtp_sglang.forced_spans import HistoryLookup
 from entmtp_sglang.grammar import GrammarSpec, RequestGrammar, compile_grammar
 from entmtp_sglang.model.load import BUNDLED_MODEL
 from entmtp_sglang.tree import Tree, from_sglang
@@ -83,6 +84,61 @@ def test_nothing_forced_where_every_state_has_a_choice():
     assert g.forced_span([], spell, 16) == []
     assert g.forced_span([ID["a"], ID["b"]], spell, 16) == []
 
+
+def test_history_lookup_guesses_the_token_after_the_latest_earlier_occurrence():
+    h = HistoryLookup(min_n=2, max_n=3)
+    h.sync([5, 1, 2, 3, 9, 1, 2, 4], [])
+    assert h([]) is None                        # (2, 4) never occurred before; nor did (1, 2, 4)
+    assert h([1, 2]) == 4                       # (1, 2) last occurred before 4, not 3: the latest wins
+    assert h([3, 9]) == 1
+    assert h([7]) is None
+    h.sync([5, 1, 2, 3, 9, 1, 2, 4], [5, 1])    # the output grows: indexed where it ended
+    assert h([]) == 2 and h([2]) == 3           # (5, 1) -> 2; (5, 1, 2) -> 3: the longest match first
+    h.sync([5, 1], [2])                         # another prompt: rebuilt
+    assert h.tokens == [5, 1, 2] and h([]) is None and h([5, 1]) == 2
+    h.sync([5, 1], [3, 5])                      # an output that is not the indexed one grown: rebuilt
+    assert h.tokens == [5, 1, 3, 5] and h([]) is None and h([1]) == 3
+    with pytest.raises(ValueError, match="min_n <= max_n"):
+        HistoryLookup(min_n=3, max_n=2)
+
+
+def test_a_span_goes_on_with_the_requests_own_repeats_where_the_grammar_decides_nothing():
+    """`jump_forward_span` with a lookup: the grammar's text first, then where it decides nothing the request's
+    history repeating, as far as the grammar allows it; the matcher left as found."""
+    from entmtp_sglang.grammar import jump_forward_span
+
+    g = grammar('root ::= ("a" [b-d] "e")+ "."')
+    h = HistoryLookup(min_n=2, max_n=4)
+    h.sync([ID[c] for c in "abeace"], [])      # the history: abe ace
+    plain = jump_forward_span(g.matcher, [ID["a"], ID["b"]], spell, 16, len(VOCAB))
+    assert letters(plain) == "e"                # the grammar alone: e, then a or "." is the model's choice
+    more = jump_forward_span(g.matcher, [ID["a"], ID["b"]], spell, 16, len(VOCAB), h)
+    assert letters(more) == "eace"              # e (forced), then the repeat of "ace": a, c (guessed), e (forced)
+    h = HistoryLookup(min_n=2, max_n=4)
+    h.sync([ID[c] for c in "abeaxe"], [])       # a repeat the grammar refuses (x) is cut there
+    assert letters(jump_forward_span(g.matcher, [ID["a"], ID["b"]], spell, 16, len(VOCAB), h)) == "ea"
+    assert letters(jump_forward_span(g.matcher, [ID["a"], ID["b"]], spell, 1, len(VOCAB), h)) == "e"  # the cap
+    assert letters(jump_forward_span(g.matcher, [], spell, 16, len(VOCAB))) == "a"   # as found
+
+
+def test_the_only_legal_token_read_off_the_packed_mask_equals_the_unpacked_one():
+    """`_only_legal` (one nonzero word with one bit) against unpacking the whole bitmask, on random masks with
+    none, one or several bits, bit 31 and bits past the vocabulary included."""
+    import random
+
+    from entmtp_sglang.grammar import _bool_mask, _only_legal
+
+    rng = random.Random(37)
+    for _ in range(3000):
+        vocab = rng.choice([31, 33, 64, 97, 49152])
+        words = (vocab + 31) // 32 + rng.choice([0, 0, 1])
+        packed = [0] * words
+        for _ in range(rng.choice([0, 1, 1, 1, 2, 5])):
+            t = rng.randrange(words * 32)
+            packed[t // 32] |= 1 << (t % 32)
+        bm = torch.tensor([[(x + 2 ** 31) % 2 ** 32 - 2 ** 31 for x in packed]], dtype=torch.int32)
+        legal = _bool_mask(bm, vocab)[0].nonzero().flatten()
+        assert _only_legal(bm, vocab) == (int(legal[0]) if legal.numel() == 1 else None)
 
 def test_extend_tree_hangs_spans_below_leaves():
     #   drafted              extended

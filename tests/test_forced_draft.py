@@ -152,7 +152,7 @@ def test_extend_rewrites_sglangs_verify_input_and_counts_what_was_accepted():
     assert step.ragged.counts == (5, 2) and step.ragged.index.tolist() == [0, 1, 2, 3, 4, 5, 6]
     # the target took ab, d, ghi, then not q: the span rejected part-way
     counted = draft.verified(step, reqs, torch.tensor([[0, 1, 2, 3, -1], [5, 6, -1, -1, -1]]))
-    assert counted == [(2, 1), (0, 0)]
+    assert counted == [(2, 1, 0, 0), (0, 0, 0, 0)]
     s = draft.stats["a"]
     assert (s.spans, s.nodes, s.reached, s.tried, s.accepted) == (1, 2, 1, 2, 1)
     assert ForcedDraft.policy_counts(step, [3, 1]) == [2, 1]   # the feedback: at most the drafted depth
@@ -240,3 +240,72 @@ def test_spans_are_cut_to_what_pays_for_its_verify():
         *fd.outcomes.worth("leaf"), 0.15, 16)
     fd.observe([2, 4])
     assert fd.tokens_per_row == pytest.approx(2.0 + 0.05 * (4.0 - 2.0))
+
+
+@pytest.mark.parametrize("lookup", [True, False])
+def test_a_rows_span_goes_on_with_its_own_repeats_unless_lookup_spans_are_off(monkeypatch, lookup):
+    """Where the grammar decides nothing below the top-1 leaf, the span goes on with the request's own text
+    repeating (HistoryLookup over its prompt and output, ENTMTP_LOOKUP_SPANS), as far as the grammar allows."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv(forced_draft.ENV_LOOKUP, "1" if lookup else "0")
+    g = grammar('root ::= ("a" [b-d] "e")+ "."')
+    output = [ID[c] for c in "abeace"]
+    assert g.advance(output)
+
+    class Stand:   # an SGLang grammar object: its xgrammar matcher, after the request's output
+        matcher = g.matcher
+
+    spans = ForcedSpans(spell, ForcedSpanConfig(max_tokens=8, max_nodes=8, min_reach=0.0, forced_only=False))
+    draft = ForcedDraft(spans, len(VOCAB))
+    toks, pos, mask, first, sibling = layout(Tree((-1, 0, 1)), [ID["e"], ID["a"], ID["b"]], 3)
+    spec = SimpleNamespace(draft_token=toks.flatten(), positions=pos.flatten(), custom_mask=mask.flatten(),
+                           retrieve_index=torch.arange(3).view(1, 3), retrieve_next_token=first[None],
+                           retrieve_next_sibling=sibling[None], draft_token_num=3, spec_steps=2, num_tokens_per_req=3,
+                           num_tokens_for_logprob_per_req=3, prepared_out_cache_loc=None, kv_loc_plan=None)
+    req = SimpleNamespace(rid="r", sampling_params=SimpleNamespace(max_new_tokens=64), output_ids=output,
+                          origin_input_ids=[ID["x"], ID["y"]])
+    step = draft.extend(spec, None, [req], {0: Stand()}, [100])
+    got = [VOCAB[t] for t in spec.draft_token.view(1, -1)[0].tolist()]
+    # the top-1 path a, b; then e (the grammar's), then a, c (the repeat of "a c" after "a b e"), e (the grammar's)
+    assert got == (["e", "a", "b", "e", "a", "c", "e"] if lookup else ["e", "a", "b", "e"])
+    assert step is not None and step.layout.extended[0].num_forced == (4 if lookup else 1)
+    assert (draft.lookups is not None) == lookup
+
+
+@pytest.mark.parametrize("mode", ["all", "1", "0"])
+def test_a_row_without_a_grammar_takes_its_own_repeats_as_spans(monkeypatch, mode):
+    """A free row (grammar None): with ENTMTP_LOOKUP_SPANS=all, below its top-1 leaf the tokens that followed the
+    latest earlier occurrence of its path's end in its prompt and output, counted apart from the grammar's spans;
+    by default (1: constrained rows only) and with 0, nothing."""
+    from types import SimpleNamespace
+
+    monkeypatch.setenv(forced_draft.ENV_LOOKUP, mode)
+    lookup = mode == "all"
+    spans = ForcedSpans(spell, ForcedSpanConfig(max_tokens=3, max_nodes=3, min_reach=0.0, forced_only=False))
+    draft = ForcedDraft(spans, len(VOCAB))
+    toks, pos, mask, first, sibling = layout(Tree((-1, 0, 1)), [ID["e"], ID["a"], ID["b"]], 3)
+    spec = SimpleNamespace(draft_token=toks.flatten(), positions=pos.flatten(), custom_mask=mask.flatten(),
+                           retrieve_index=torch.arange(3).view(1, 3), retrieve_next_token=first[None],
+                           retrieve_next_sibling=sibling[None], draft_token_num=3, spec_steps=2, num_tokens_per_req=3,
+                           num_tokens_for_logprob_per_req=3, prepared_out_cache_loc=None, kv_loc_plan=None)
+    req = SimpleNamespace(rid="r", sampling_params=SimpleNamespace(max_new_tokens=64),
+                          origin_input_ids=[ID[c] for c in "xabcdy"], output_ids=[ID["e"]])
+    step = draft.extend(spec, None, [req], {0: None}, [100])
+    if not lookup:
+        assert step is None and spec.draft_token_num == 3   # untouched: nothing to hang without a grammar
+        return
+    got = [VOCAB[t] for t in spec.draft_token.view(1, -1)[0].tolist()]
+    assert got == ["e", "a", "b", "c", "d", "y"]           # "a b" was followed by "c d y" in the prompt (cap 3)
+    assert step.free == frozenset({0})
+    draft.verified(step, [req], torch.tensor([[0, 1, 2, 3, -1, -1]]))   # the target took a, b, c; not d
+    assert draft.outcomes.kinds["free leaf"][:3] == [1, 3, 1] and draft.outcomes.kinds["leaf"][0] == 0
+    assert draft.outcomes.worth("free leaf")[1] < draft.outcomes.worth("leaf")[1]   # a lower prior for guesses
+
+
+def test_the_lookup_switch_is_validated(monkeypatch):
+    monkeypatch.setenv(forced_draft.ENV_LOOKUP, "yes")
+    with pytest.raises(ValueError, match="ENTMTP_LOOKUP_SPANS must be 0, 1 or all, got 'yes'"):
+        forced_draft.lookup_mode()
+    monkeypatch.setenv(forced_draft.ENV_LOOKUP, " ALL ")
+    assert forced_draft.lookup_mode() == "all"

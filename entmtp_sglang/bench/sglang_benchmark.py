@@ -278,6 +278,8 @@ class Row:
     # ENTMTP's forced spans (meta_info["entmtp_forced"], summed over the outputs): [steps with a span, forced tokens
     # verified, of them accepted]; None when no output reports spans
     forced: list[int] | None = None
+    # lookup spans, the same from meta_info["entmtp_lookup"]: [steps with one, guessed repeats verified, accepted]
+    lookup: list[int] | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -287,11 +289,13 @@ class Row:
     def forced_summary(self) -> str:
         """The forced spans' share of the output tokens, their acceptance and mean length (tokens verified per
         span); empty without spans."""
-        if not self.forced or not self.forced[0]:
-            return ""
-        spans, verified, accepted = self.forced
-        return (f"{accepted / max(self.tokens, 1):.0%} of tokens, {accepted / max(verified, 1):.0%} accepted, "
-                f"{verified / spans:.1f} a span")
+        parts = []
+        for what, counts in (("", self.forced), ("repeats: ", self.lookup)):
+            if counts and counts[0]:
+                spans, verified, accepted = counts
+                parts.append(f"{what}{accepted / max(self.tokens, 1):.0%} of tokens, "
+                             f"{accepted / max(verified, 1):.0%} accepted, {verified / spans:.1f} a span")
+        return "; ".join(parts)
 
     @property
     def mean_accept(self) -> float | None:
@@ -427,11 +431,12 @@ def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: in
         if m.get("spec_verify_ct"):
             row.accept_lengths.append(m["spec_accept_length"])
         row.trees.update(m.get("entmtp_trees", []))
-        spans = m.get("entmtp_forced") or []
-        if spans:
-            total = row.forced or [0, 0, 0]
-            row.forced = [total[0] + len(spans), total[1] + sum(int(v) for v, _ in spans),
-                          total[2] + sum(int(a) for _, a in spans)]
+        for key, attr in (("entmtp_forced", "forced"), ("entmtp_lookup", "lookup")):
+            spans = m.get(key) or []
+            if spans:
+                total = getattr(row, attr) or [0, 0, 0]
+                setattr(row, attr, [total[0] + len(spans), total[1] + sum(int(v) for v, _ in spans),
+                                    total[2] + sum(int(a) for _, a in spans)])
         if labels is not None and m.get("entmtp_trees"):
             row.trees_by_label.setdefault(labels[i], collections.Counter()).update(m["entmtp_trees"])
     ids = [o["output_ids"] for o in outs]
@@ -565,7 +570,7 @@ def rows_from_jsonl(path: Path) -> list[Row]:
                        d["equal_to_plain"], d["requests"], list(d.get("repeat_tokens_per_s") or []), d["task"],
                        list(d.get("plain_repeat_tokens_per_s") or []), d.get("equal_to_stock"),
                        {k: collections.Counter(v) for k, v in (d.get("trees_by_label") or {}).items()},
-                       d.get("forced")))
+                       d.get("forced"), d.get("lookup")))
     return out
 
 
@@ -582,5 +587,6 @@ def write(rows: list[Row], out_dir: Path, config: dict, name: str = "sglang_cpu"
                                 "plain_repeat_tokens_per_s": r.plain_repeat_tokens_per_s,
                                 **({"trees_by_label": {k: dict(v) for k, v in r.trees_by_label.items()}}
                                    if r.trees_by_label else {}),
-                                **({"forced": r.forced} if r.forced else {})}) + "\n")
+                                **({"forced": r.forced} if r.forced else {}),
+                                **({"lookup": r.lookup} if r.lookup else {})}) + "\n")
     (out_dir / f"{name}.md").write_text(to_markdown(rows) + "\n")

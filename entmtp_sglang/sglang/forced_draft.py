@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..forced_spans import Extended, ForcedSpanConfig, ForcedSpans, ForcedStats, extend_tree
+from ..forced_spans import Extended, ForcedSpanConfig, ForcedSpans, ForcedStats, HistoryLookup, extend_tree
 from ..grammar import jump_forward_span
 from ..tree import Tree
 from .ragged import RaggedVerify, packed_index
@@ -46,6 +46,9 @@ logger = logging.getLogger("entmtp_sglang.sglang")
 
 ENV_FORCED = "ENTMTP_FORCED_SPANS"              # "0": no forced spans inside SGLang
 ENV_FORCED_MAX = "ENTMTP_FORCED_MAX_TOKENS"     # forced tokens per request and step (default 16)
+# lookup spans, where a span goes on with the request's own text repeating: "1" (default) on constrained rows, "all"
+# on rows without a grammar too (their spans are their repeats alone), "0" off (spans hold the grammar's text only)
+ENV_LOOKUP = "ENTMTP_LOOKUP_SPANS"
 DEFAULT_MAX_TOKENS = 16
 TOP1_REACH = 0.5   # the reach floor (forced_spans.ForcedSpanConfig.min_reach) over `rank_priority`: the top-1 path only
 
@@ -67,6 +70,14 @@ def forced_config_from_env() -> ForcedSpanConfig | None:
     return ForcedSpanConfig(max_tokens=n, max_nodes=n, min_reach=TOP1_REACH, forced_only=False)
 
 
+def lookup_mode() -> str:
+    """ENTMTP_LOOKUP_SPANS as "0", "1" or "all" (a ValueError names another value)."""
+    raw = os.environ.get(ENV_LOOKUP, "1").strip().lower() or "1"
+    if raw not in ("0", "1", "all"):
+        raise ValueError(f"{ENV_LOOKUP} must be 0, 1 or all, got {raw!r}")
+    return raw
+
+
 def extra_verify_tokens() -> int:
     """Verify positions a request may need beyond its tree this step (KV reserved per decode step)."""
     config = forced_config_from_env()
@@ -74,19 +85,44 @@ def extra_verify_tokens() -> int:
 
 
 class SGLangGrammar:
-    """A request's SGLang grammar object (xgrammar backend: its `matcher`) as `ForcedSpans` reads a grammar."""
+    """A request's SGLang grammar object (xgrammar backend: its `matcher`) as `ForcedSpans` reads a grammar; with
+    `lookup` (`HistoryLookup` over the request's text), where the grammar decides nothing its spans go on with the
+    request's own text repeating, as far as the grammar allows it."""
 
-    def __init__(self, grammar, vocab_size: int):
-        self.grammar, self.vocab_size = grammar, vocab_size
+    def __init__(self, grammar, vocab_size: int, lookup: HistoryLookup | None = None):
+        self.grammar, self.vocab_size, self.lookup = grammar, vocab_size, lookup
+        self.last_guessed: tuple[bool, ...] = ()   # the last span's tokens: whether the lookup guessed each
 
     @staticmethod
-    def of(grammar, vocab_size: int) -> SGLangGrammar | None:
+    def of(grammar, vocab_size: int, lookup: HistoryLookup | None = None) -> SGLangGrammar | None:
         """None for a grammar without an xgrammar matcher (another backend): no spans for it."""
         matcher = getattr(grammar, "matcher", None)
-        return SGLangGrammar(grammar, vocab_size) if hasattr(matcher, "find_jump_forward_string") else None
+        return SGLangGrammar(grammar, vocab_size, lookup) if hasattr(matcher, "find_jump_forward_string") else None
 
     def forced_span(self, path: list[int], spell, max_tokens: int) -> list[int]:
-        return jump_forward_span(self.grammar.matcher, path, spell, max_tokens, self.vocab_size)
+        guessed: list[bool] = []
+        out = jump_forward_span(self.grammar.matcher, path, spell, max_tokens, self.vocab_size, self.lookup, guessed)
+        self.last_guessed = tuple(guessed)
+        return out
+
+
+class LookupOnly:
+    """A row without a grammar, as `ForcedSpans` reads a grammar: its spans are its own text repeating
+    (`HistoryLookup`), token by token while the lookup has a next token."""
+
+    def __init__(self, lookup: HistoryLookup):
+        self.lookup = lookup
+        self.last_guessed: tuple[bool, ...] = ()
+
+    def forced_span(self, path: list[int], spell, max_tokens: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < max_tokens:
+            t = self.lookup(list(path) + out)
+            if t is None:
+                break
+            out.append(int(t))
+        self.last_guessed = (True,) * len(out)
+        return out
 
 
 # -- the verify layout (pure) ------------------------------------------------------------------------------------
@@ -151,6 +187,7 @@ def with_root_span(spans: ForcedSpans, row: RowTree, ext: Extended, grammar, roo
     if budget <= 0 or max_rest == 0:
         return ext
     span = spans.root_span(grammar, min(room, budget))
+    tags = tuple(getattr(grammar, "last_guessed", ()))
     node, i = 0, 0
     while i < len(span):
         kid = next((c for c in tree.children[node] if row.tokens[c] == span[i]), None)
@@ -162,8 +199,9 @@ def with_root_span(spans: ForcedSpans, row: RowTree, ext: Extended, grammar, roo
     if not rest or node == top1_leaf(tree):
         return ext
     chains = {sp.leaf: list(sp.tokens) for sp in ext.spans}
-    chains[node] = rest
-    return extend_tree(tree, list(row.tokens), chains, inner=True)
+    guessed = {sp.leaf: sp.guessed for sp in ext.spans}
+    chains[node], guessed[node] = rest, tags[i: i + len(rest)]
+    return extend_tree(tree, list(row.tokens), chains, inner=True, guessed=guessed)
 
 
 @dataclass(frozen=True)
@@ -280,24 +318,26 @@ class SpanOutcomes:
     rejected one)]. `worth(kind)`: the chance a span of that kind is reached and the per-token acceptance once it
     is, each with a prior (`PRIOR_REACH`, `ForcedSpanConfig.prior_acceptance`) worth `PRIOR_WEIGHT` observations."""
 
-    PRIOR_REACH = {"leaf": 0.5, "inner": 0.9}
+    PRIOR_REACH = {"leaf": 0.5, "inner": 0.9, "free leaf": 0.5, "free inner": 0.9}
     PRIOR_WEIGHT = 8.0
+    FREE_PRIOR_ACCEPTANCE = 0.5   # a repeat guessed in free text, before any was verified
 
     steps: int = 0
-    kinds: dict = field(default_factory=lambda: {"leaf": [0] * 6, "inner": [0] * 6})
+    kinds: dict = field(default_factory=lambda: {k: [0] * 6 for k in SpanOutcomes.PRIOR_REACH})
     prior_acceptance: float = 0.9
 
     def worth(self, kind: str) -> tuple[float, float]:
         spans, _, reached, _, accepted, tried = self.kinds[kind]
         w = self.PRIOR_WEIGHT
-        return ((reached + w * self.PRIOR_REACH[kind]) / (spans + w),
-                (accepted + w * self.prior_acceptance) / (tried + w))
+        prior = self.FREE_PRIOR_ACCEPTANCE if kind.startswith("free") else self.prior_acceptance
+        return ((reached + w * self.PRIOR_REACH[kind]) / (spans + w), (accepted + w * prior) / (tried + w))
 
-    def add(self, ext: Extended, accepted: tuple[int, ...]) -> None:
+    def add(self, ext: Extended, accepted: tuple[int, ...], free: bool = False) -> None:
+        """`free`: the row has no grammar (its spans are its own repeats alone)."""
         on_path = set(accepted)
         drafted_parents = set(ext.tree.parents[1: ext.num_drafted])
         for sp in ext.spans:
-            c = self.kinds["inner" if sp.leaf in drafted_parents else "leaf"]
+            c = self.kinds[("free " if free else "") + ("inner" if sp.leaf in drafted_parents else "leaf")]
             k = 0
             while k < len(sp.tokens) and sp.first + k in on_path:
                 k += 1
@@ -325,6 +365,7 @@ class ForcedStep:
     ragged: RaggedVerify
     rids: tuple[str, ...]
     base_width: int
+    free: frozenset = frozenset()   # rows without a grammar: their spans are their own repeats
 
 
 class ForcedDraft:
@@ -340,6 +381,21 @@ class ForcedDraft:
         self.outcomes = SpanOutcomes(prior_acceptance=spans.config.prior_acceptance)
         self.tokens_per_row = 2.0   # tokens a row emits per speculating step (a running mean, `observe`)
         self.last_caps = (spans.config.max_tokens, spans.config.max_tokens)
+        # rid -> the request's text as an n-gram index (HistoryLookup), None with ENTMTP_LOOKUP_SPANS=0; rows without
+        # a grammar take lookup spans with ENTMTP_LOOKUP_SPANS=all only
+        mode = lookup_mode()
+        self.lookups: dict[str, HistoryLookup] | None = None if mode == "0" else {}
+        self.lookup_free = mode == "all"
+
+    def lookup(self, req) -> HistoryLookup | None:
+        """The request's HistoryLookup, synced to its prompt and output (None: lookup spans off)."""
+        if self.lookups is None:
+            return None
+        h = self.lookups.get(req.rid)
+        if h is None:
+            h = self.lookups[req.rid] = HistoryLookup()
+        h.sync(getattr(req, "origin_input_ids", None) or (), getattr(req, "output_ids", None) or ())
+        return h
 
     def observe(self, accepted: list[int]) -> None:
         """A verified step's accepted drafts per row, into the running mean of tokens emitted per row and step."""
@@ -350,9 +406,13 @@ class ForcedDraft:
     def caps(self, threshold: float) -> tuple[int, int]:
         """The longest spans worth verifying below the top-1 leaf and after the root (`span_cap` over what the
         server's spans did so far, `outcomes.worth`), at a verified token's cost `threshold` (`token_threshold`)."""
-        n = self.spans.config.max_tokens
-        return (span_cap(*self.outcomes.worth("leaf"), threshold, n),
-                span_cap(*self.outcomes.worth("inner"), threshold, n))
+        return self.caps_of(threshold)
+
+    def caps_of(self, threshold: float, free: bool = False) -> tuple[int, int]:
+        """`caps` for the spans of constrained rows, or with `free` of rows without a grammar (their repeats)."""
+        n, pre = self.spans.config.max_tokens, "free " if free else ""
+        return (span_cap(*self.outcomes.worth(pre + "leaf"), threshold, n),
+                span_cap(*self.outcomes.worth(pre + "inner"), threshold, n))
 
     @classmethod
     def for_worker(cls, tokenizer_path: str, vocab_size: int, ragged: bool, topk: int) -> ForcedDraft | None:
@@ -368,9 +428,13 @@ class ForcedDraft:
         from transformers import AutoTokenizer
 
         tok = AutoTokenizer.from_pretrained(tokenizer_path)
+        mode = lookup_mode()
         logger.info("ENTMTP: forced spans on: below the leaves of a constrained request's tree, the text its grammar "
                     "decides, as the tokenizer spells it, up to %d tokens per request and step, verified like any "
-                    "draft (%s=0 turns them off)", config.max_tokens, ENV_FORCED)
+                    "draft (%s=0 turns them off); lookup spans (%s=%s): %s", config.max_tokens, ENV_FORCED,
+                    ENV_LOOKUP, mode, {"0": "off", "1": "where the grammar decides nothing, the request's own text "
+                                       "repeating, on constrained rows", "all": "the request's own text repeating, "
+                                       "on constrained rows and rows without a grammar"}[mode])
         return cls(ForcedSpans(lambda text: tok.encode(text, add_special_tokens=False), config), vocab_size)
 
     def extend(self, spec, ragged: RaggedVerify | None, reqs, grammars: dict[int, object], kv_rooms: list[int],
@@ -379,7 +443,10 @@ class ForcedDraft:
         place) and return the step, or None when no row has a span (`spec` untouched). `grammars`: row -> SGLang
         grammar object of the rows that may take spans; `kv_rooms[row]`: KV positions left before its context
         limit (a row takes spans only where N + max_nodes fit); `threshold`: a verified token's cost in emitted
-        tokens (`token_threshold`; 0: every span at its full length), which caps each span (`caps`)."""
+        tokens (`token_threshold`; 0: every span at its full length), which caps each span (`caps`).
+        A row whose grammar is None has none: with lookup spans on, its spans are its own repeats (`LookupOnly`)."""
+        if not self.lookup_free:
+            grammars = {b: g for b, g in grammars.items() if g is not None}
         if not grammars or getattr(spec, "prepared_out_cache_loc", None) is not None \
                 or getattr(spec, "kv_loc_plan", None) is not None:
             return None
@@ -394,11 +461,16 @@ class ForcedDraft:
         host_tokens, host_first, host_sibling = tokens.tolist(), first.tolist(), sibling.tolist()
         rows = [row_tree(host_tokens[b], host_first[b], host_sibling[b]) for b in range(bs)]
         extended: list[Extended | None] = [None] * bs
-        leaf_cap, inner_cap = self.last_caps = self.caps(threshold)
+        caps = {False: self.caps_of(threshold), True: self.caps_of(threshold, free=True)}
+        self.last_caps = caps[False]
         for b, g in grammars.items():
-            grammar = SGLangGrammar.of(g, self.vocab_size)
             room = new_tokens_left(reqs[b]) if kv_rooms[b] >= n + self.spans.config.max_nodes else 0
-            if grammar is None or room <= 0:
+            leaf_cap, inner_cap = caps[g is None]
+            if room <= 0 or leaf_cap == inner_cap == 0:
+                continue
+            grammar = (LookupOnly(self.lookup(reqs[b])) if g is None
+                       else SGLangGrammar.of(g, self.vocab_size, self.lookup(reqs[b])))
+            if grammar is None:
                 continue
             row = rows[b]
             try:
@@ -428,11 +500,13 @@ class ForcedDraft:
         real = layout.real.to(device)
         counts = tuple(int(c) for c in layout.real.sum(1).tolist())
         rs = RaggedVerify(real, counts, packed_index(real), spec.retrieve_next_token, spec.retrieve_next_sibling)
-        return ForcedStep(layout, rs, tuple(r.rid for r in reqs), n)
+        return ForcedStep(layout, rs, tuple(r.rid for r in reqs), n,
+                          frozenset(b for b, g in grammars.items() if g is None))
 
-    def verified(self, step: ForcedStep, reqs, accept_index: torch.Tensor | None) -> list[tuple[int, int]]:
-        """Count the verified spans (per request: [forced tokens verified, accepted]); `accept_index` (bs, W):
-        SGLang's accepted global positions."""
+    def verified(self, step: ForcedStep, reqs, accept_index: torch.Tensor | None
+                 ) -> list[tuple[int, int, int, int]]:
+        """Count the verified spans, per request (the grammar's tokens verified, of them accepted, the lookup's
+        guesses verified, of them accepted); `accept_index` (bs, W): SGLang's accepted global positions."""
         out = []
         rows = accept_index.tolist() if accept_index is not None else [[] for _ in reqs]
         live = set()
@@ -440,16 +514,21 @@ class ForcedDraft:
             live.add(r.rid)
             ext = step.layout.extended[b]
             if ext is None:
-                out.append((0, 0))
+                out.append((0, 0, 0, 0))
                 continue
             stats = self.stats.setdefault(r.rid, ForcedStats())
             nodes = accepted_nodes(step.layout.columns[b], rows[b], step.layout.num_nodes, b)
-            self.outcomes.add(ext, nodes)
+            self.outcomes.add(ext, nodes, b in step.free)
             got = self.spans.verified(ext, nodes, stats)
             stats.output_tokens += got
-            out.append((ext.num_forced, got))
+            on_path = set(nodes)
+            guessed = sum(sp.num_guessed for sp in ext.spans)
+            guessed_got = sum(1 for sp in ext.spans for j, g in enumerate(sp.guessed) if g and sp.first + j in on_path)
+            out.append((ext.num_forced - guessed, got - guessed_got, guessed, guessed_got))
         if len(self.stats) > 4 * max(64, len(reqs)):
             self.stats = {k: v for k, v in self.stats.items() if k in live}
+        if self.lookups is not None and len(self.lookups) > 4 * max(64, len(reqs)):
+            self.lookups = {k: v for k, v in self.lookups.items() if k in live}
         self.outcomes.steps += 1
         if self.outcomes.steps % self.LOG_EVERY == 0:
             logger.info("ENTMTP forced spans over %d steps: %s; %.2f tokens a row per step; spans capped at %s "

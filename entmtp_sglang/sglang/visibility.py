@@ -5,7 +5,8 @@ SGLang lets a plugin add per-request response fields by choosing a `SchedulerOut
 as it goes; each output chunk drains them, and SGLang's tokenizer manager concatenates the chunks into
 `meta_info["entmtp_trees"]` (one tree name per decode step), `meta_info["entmtp_accepted"]` (accepted
 drafts per step, bonus token excluded, forced tokens included) and `meta_info["entmtp_forced"]` (per verified
-step with forced spans: [forced tokens verified, of them accepted]). Servers running other algorithms are left
+step with forced spans: [forced tokens verified, of them accepted]) and `meta_info["entmtp_lookup"]` (per verified
+step with lookup spans: [guessed repeats verified, of them accepted]). Servers running other algorithms are left
 untouched.
 """
 
@@ -14,7 +15,9 @@ from __future__ import annotations
 TREES = "entmtp_trees"
 ACCEPTED = "entmtp_accepted"
 FORCED = "entmtp_forced"   # per step with forced spans: [forced tokens verified, of them accepted] (forced_draft.py)
-_PENDING = {TREES: "_entmtp_pending_trees", ACCEPTED: "_entmtp_pending_accepted", FORCED: "_entmtp_pending_forced"}
+LOOKUP = "entmtp_lookup"   # per step with lookup spans: [guessed repeats verified, of them accepted] (forced_draft.py)
+_PENDING = {TREES: "_entmtp_pending_trees", ACCEPTED: "_entmtp_pending_accepted", FORCED: "_entmtp_pending_forced",
+            LOOKUP: "_entmtp_pending_lookup"}
 
 
 def note(req, key: str, value) -> None:
@@ -48,7 +51,7 @@ def streamer_class(base: type) -> type:
             return getattr(self.spec_algorithm, "name", None) == "ENTMTP"
 
         def build_additional_customized_info(self, reqs):
-            return {key: [drain(r, key) for r in reqs] for key in (TREES, ACCEPTED, FORCED)}
+            return {key: [drain(r, key) for r in reqs] for key in (TREES, ACCEPTED, FORCED, LOOKUP)}
 
     _CACHE[base] = EntMtpOutputStreamer
     return EntMtpOutputStreamer

@@ -478,8 +478,11 @@ class EntMtpWorker(EAGLEWorkerV2):
             out = super().verify(batch, *args, **kwargs)
             if self._forced_step is not None:
                 counted = self.forced.verified(self._forced_step, batch.reqs, getattr(out, "accept_index", None))
-                for r, pair in zip(batch.reqs, counted):
-                    visibility.note(r, visibility.FORCED, list(pair))
+                for r, (fv, fa, lv, la) in zip(batch.reqs, counted):
+                    if fv or not lv:
+                        visibility.note(r, visibility.FORCED, [fv, fa])
+                    if lv:
+                        visibility.note(r, visibility.LOOKUP, [lv, la])
             return out
         topk, self.topk = self.topk, 1
         try:
@@ -505,10 +508,15 @@ class EntMtpWorker(EAGLEWorkerV2):
         """Forced spans (forced_draft.py) into this step's verify input: each constrained row that may take tokens
         beyond one per step gets the grammar's text below its leaves; the step then verifies raggedly, N' wide."""
         reqs = batch.reqs
-        grammars = {} if getattr(batch, "enable_overlap", True) else {
-            i: g for i, r in enumerate(reqs)
-            if not self._never_drafts(r) and not needs_plain_decoding([r])
-            and (g := grammar_draft.live_grammar(r)) is not None}
+        grammars = {}   # row -> its live grammar, or None for a row without one (its spans: its own repeats)
+        if not getattr(batch, "enable_overlap", True):
+            for i, r in enumerate(reqs):
+                if self._never_drafts(r) or needs_plain_decoding([r]):
+                    continue
+                if getattr(r, "grammar", None) is None:
+                    grammars[i] = None
+                elif (g := grammar_draft.live_grammar(r)) is not None:
+                    grammars[i] = g
         step = self.forced.extend(batch.spec_info, self._step.ragged, reqs, grammars, [self._room(r) for r in reqs],
                                   self._forced_threshold(len(reqs)) if grammars else 0.0)
         if step is not None:
