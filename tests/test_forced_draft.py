@@ -258,11 +258,7 @@ def test_a_rows_span_goes_on_with_its_own_repeats_unless_lookup_spans_are_off(mo
 
     spans = ForcedSpans(spell, ForcedSpanConfig(max_tokens=8, max_nodes=8, min_reach=0.0, forced_only=False))
     draft = ForcedDraft(spans, len(VOCAB))
-    toks, pos, mask, first, sibling = layout(Tree((-1, 0, 1)), [ID["e"], ID["a"], ID["b"]], 3)
-    spec = SimpleNamespace(draft_token=toks.flatten(), positions=pos.flatten(), custom_mask=mask.flatten(),
-                           retrieve_index=torch.arange(3).view(1, 3), retrieve_next_token=first[None],
-                           retrieve_next_sibling=sibling[None], draft_token_num=3, spec_steps=2, num_tokens_per_req=3,
-                           num_tokens_for_logprob_per_req=3, prepared_out_cache_loc=None, kv_loc_plan=None)
+    spec = _one_row_spec()
     req = SimpleNamespace(rid="r", sampling_params=SimpleNamespace(max_new_tokens=64), output_ids=output,
                           origin_input_ids=[ID["x"], ID["y"]])
     step = draft.extend(spec, None, [req], {0: Stand()}, [100])
@@ -284,11 +280,7 @@ def test_a_row_without_a_grammar_takes_its_own_repeats_as_spans(monkeypatch, mod
     lookup = mode == "all"
     spans = ForcedSpans(spell, ForcedSpanConfig(max_tokens=3, max_nodes=3, min_reach=0.0, forced_only=False))
     draft = ForcedDraft(spans, len(VOCAB))
-    toks, pos, mask, first, sibling = layout(Tree((-1, 0, 1)), [ID["e"], ID["a"], ID["b"]], 3)
-    spec = SimpleNamespace(draft_token=toks.flatten(), positions=pos.flatten(), custom_mask=mask.flatten(),
-                           retrieve_index=torch.arange(3).view(1, 3), retrieve_next_token=first[None],
-                           retrieve_next_sibling=sibling[None], draft_token_num=3, spec_steps=2, num_tokens_per_req=3,
-                           num_tokens_for_logprob_per_req=3, prepared_out_cache_loc=None, kv_loc_plan=None)
+    spec = _one_row_spec()
     req = SimpleNamespace(rid="r", sampling_params=SimpleNamespace(max_new_tokens=64),
                           origin_input_ids=[ID[c] for c in "xabcdy"], output_ids=[ID["e"]])
     step = draft.extend(spec, None, [req], {0: None}, [100])
@@ -309,3 +301,14 @@ def test_the_lookup_switch_is_validated(monkeypatch):
         forced_draft.lookup_mode()
     monkeypatch.setenv(forced_draft.ENV_LOOKUP, " ALL ")
     assert forced_draft.lookup_mode() == "all"
+
+
+def _one_row_spec():
+    """SGLang's verify input for one row: 0 (e) ─ 1 (a) ─ 2 (b), the top-1 path ending at b."""
+    from types import SimpleNamespace
+
+    toks, pos, mask, first, sibling = layout(Tree((-1, 0, 1)), [ID["e"], ID["a"], ID["b"]], 3)
+    return SimpleNamespace(draft_token=toks.flatten(), positions=pos.flatten(), custom_mask=mask.flatten(),
+                           retrieve_index=torch.arange(3).view(1, 3), retrieve_next_token=first[None],
+                           retrieve_next_sibling=sibling[None], draft_token_num=3, spec_steps=2, num_tokens_per_req=3,
+                           num_tokens_for_logprob_per_req=3, prepared_out_cache_loc=None, kv_loc_plan=None)
