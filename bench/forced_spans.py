@@ -4,17 +4,19 @@
     .venv/bin/python bench/forced_spans.py --model entmtp-tiny --drafter hydra --schemas 2
 
 After one untimed warm-up, per prompt, greedy, batch 1, in each repeat and in this order: plain decoding under
-the grammar, the policy without forced spans, the policy with them (`engine/forced.py`). Every output must equal
-plain's (asserted).
+the grammar, the policy without forced spans, the policy with the grammar's spans alone (no lookup spans), the
+policy with them all (`engine/forced.py`: the grammar's text, and the request's own text repeating where the grammar
+decides nothing). Every output must equal plain's (asserted).
 Reports tokens/s (median over repeats of total tokens / total seconds), tokens per target pass, and for the
-forced run the share of output tokens that came from forced spans, their acceptance (per token, from the first
-token of each span reached) and mean span length. Writes <out>.jsonl (one row per mode, with the
+last run (lookup spans included) the share of output tokens that came from forced spans, their acceptance (per
+token, from the first token of each span reached) and mean span length. Writes <out>.jsonl (one row per mode, with the
 configuration and commit) and <out>.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -95,7 +97,8 @@ def main(argv=None) -> int:
         make_chooser = lambda: entmtp_policy(ts)  # noqa: E731
     config = ForcedSpanConfig(max_tokens=args.max_span, max_nodes=max(args.max_nodes, args.max_span),
                               min_reach=args.min_reach)
-    modes = ("plain", "policy", "policy + forced spans")
+    modes = ("plain", "policy", "policy + grammar spans", "policy + forced spans")
+    no_lookup = dataclasses.replace(config, lookup=False)
     seconds = {m: [] for m in modes}
     tokens = {m: 0 for m in modes}
     passes = {m: 0 for m in modes}
@@ -103,12 +106,13 @@ def main(argv=None) -> int:
     plain_out: dict[str, list[int]] = {}
     item, compiled = items[0]  # warm-up (grammar compilation, kernels, caches), not timed
     generate_plain(b.target, item["ids"], 8, grammar=RequestGrammar(compiled, vocab))
-    for spans in (None, ForcedSpans.for_tokenizer(b.tokenizer, config)):
+    for spans in (None, *(ForcedSpans.for_tokenizer(b.tokenizer, c) for c in (no_lookup, config))):
         engine.generate([item["ids"]], 8, make_chooser(), grammars=[RequestGrammar(compiled, vocab)],
                         forced_spans=spans)
     for rep in range(args.repeats):
         spent = {m: 0.0 for m in modes}
         forced = ForcedSpans.for_tokenizer(b.tokenizer, config)  # a fresh calibration per repeat
+        grammar_only = ForcedSpans.for_tokenizer(b.tokenizer, no_lookup)
         for item, compiled in items:
             prompt = item["ids"]
             t0 = time.perf_counter()
@@ -116,7 +120,8 @@ def main(argv=None) -> int:
                                  grammar=RequestGrammar(compiled, vocab))
             spent["plain"] += time.perf_counter() - t0
             plain_out[item["id"]] = ref
-            for mode, spans in (("policy", None), ("policy + forced spans", forced)):
+            for mode, spans in (("policy", None), ("policy + grammar spans", grammar_only),
+                                ("policy + forced spans", forced)):
                 t0 = time.perf_counter()
                 r = engine.generate([prompt], args.max_new_tokens, make_chooser(),
                                     grammars=[RequestGrammar(compiled, vocab)], forced_spans=spans)[0]
@@ -125,7 +130,7 @@ def main(argv=None) -> int:
                 if rep == 0:
                     tokens[mode] += len(r.output_ids)
                     passes[mode] += 1 + len(r.steps)
-                    if spans is not None:
+                    if spans is forced:
                         forced_total.add(r.forced)
             if rep == 0:
                 tokens["plain"] += len(ref)
@@ -146,6 +151,7 @@ def main(argv=None) -> int:
                "seconds": [round(s, 3) for s in seconds[m]]}
         if m == "policy + forced spans":
             row["forced"] = forced_total.to_json(tokens[m])
+            row["ratio_to_grammar_spans"] = round(tps[m] / tps["policy + grammar spans"], 3)
             row["ratio_to_policy"] = round(tps[m] / tps["policy"], 3)
         rows.append(row)
     f = forced_total.to_json(tokens["policy + forced spans"])

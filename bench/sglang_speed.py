@@ -63,6 +63,7 @@ from entmtp_sglang.bench.sglang_benchmark import (
     write,
 )
 from entmtp_sglang.bench.workload import tool_calls
+from entmtp_sglang.grammar import schema_prompt_grammars
 from entmtp_sglang.model.prepare import resolve_alias
 from entmtp_sglang.tasks import load_prompts, load_schema
 
@@ -82,11 +83,14 @@ ENTMTP_NO_FORCED = SystemSpec("entmtp-no-forced", "ENTMTP", env=(("ENTMTP_FORCED
 # forced spans of the grammar's text only, without the request's own text repeating where the grammar decides
 # nothing (lookup spans): an ablation, not run unless named
 ENTMTP_NO_LOOKUP = SystemSpec("entmtp-no-lookup", "ENTMTP", env=(("ENTMTP_LOOKUP_SPANS", "0"),))
+# spans only on speculating steps: a step the policy rests verifies its roots alone (before spans came to resting
+# steps): an ablation, not run unless named
+ENTMTP_NO_REST_SPANS = SystemSpec("entmtp-no-rest-spans", "ENTMTP", env=(("ENTMTP_REST_SPANS", "0"),))
 # ENTMTP with the EAGLE-3 drafter trained on fixed data (models/<model>/eagle3/, issue 38), where the model has one
 ENTMTP_EAGLE3 = SystemSpec("entmtp-eagle3", "ENTMTP", draft="eagle3")
 # stock and plain in every wave; ENTMTP's wave first, beside adaptive
 SYSTEMS = (STOCK, PLAIN, ENTMTP, *EAGLE_SGLANG_LAYERS)
-OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED, ENTMTP_NO_LOOKUP)
+OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED, ENTMTP_NO_LOOKUP, ENTMTP_NO_REST_SPANS)
 EVERY_WAVE = (STOCK.name, PLAIN.name)
 DEFAULT = tuple(s.name for s in SYSTEMS)
 AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB
@@ -96,7 +100,7 @@ TASKS = ("code", "chat", "prose", "json", "tool-call")
 COMPACT = "--constrained-json-disable-any-whitespace"
 COMPACT_TASKS = ("json", "tool-call")
 COMPACT_SYSTEMS = (STOCK.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name, ENTMTP_NO_FORCED.name,
-                   ENTMTP_NO_LOOKUP.name)
+                   ENTMTP_NO_LOOKUP.name, ENTMTP_NO_REST_SPANS.name)
 # the mixed batch: agent traffic, every batch in flight mixing schema extraction, tool calls, code and chat
 MIXED_BATCH_TASKS = ("json", "tool-call", "code", "chat")
 
@@ -121,14 +125,31 @@ def payload(text: str, max_new: int, schema: dict | None = None) -> dict:
     return {"text": text, "sampling_params": params}
 
 
+def sglang_serves(schema: dict) -> bool:
+    """Whether SGLang's xgrammar backend takes this JSON schema (its own check of the features xgrammar lacks, such
+    as some string formats); True where this SGLang has no such check."""
+    try:
+        from sglang.srt.constrained.json_schema_validation import validate_xgrammar_json_schema
+    except ImportError:
+        return True
+    try:
+        validate_xgrammar_json_schema(schema)
+    except Exception:
+        return False
+    return True
+
+
 def workloads(tokenizer, per_task: int, max_new: int) -> dict[str, list[dict]]:
     """task -> /generate payloads (held-out test split; the JSON prompts under their schemas)."""
     out = {}
     for task in ("code", "chat", "prose"):
         items = load_prompts(task, "test", per_task)
         out[task] = [payload(chat(tokenizer, it["prompt"][-600:]), max_new) for it in items]
+    # the held-out JSON prompts whose schema SGLang serves (it refuses the others with an HTTP 400)
+    items = [it for it in load_prompts("json", "test") if sglang_serves(load_schema(it))]
+    items, _ = schema_prompt_grammars(items, tokenizer.name_or_path, len(tokenizer), per_task)
     out["json"] = [payload(chat(tokenizer, it["prompt"].removeprefix("User: ").split("\nAssistant:")[0]), max_new,
-                           load_schema(it)) for it in load_prompts("json", "test", per_task)]
+                           load_schema(it)) for it in items]
     out["tool-call"] = [payload(chat(tokenizer, call.user, call.system), max_new, call.schema)
                         for call in tool_calls(TOOLS, per_task)]
     return out

@@ -21,7 +21,9 @@ class ForcedSpanConfig:
     """max_tokens: the longest span below one leaf; max_nodes: forced nodes per request and step;
     prior_acceptance / prior_weight: the acceptance assumed before any span is verified, and its weight in
     tokens; forced_only: a request whose span after the root is worth its tree's depth drafts nothing;
-    min_reach: no span below a leaf the drafter gives less than this probability of being reached."""
+    min_reach: no span below a leaf the drafter gives less than this probability of being reached; lookup: where
+    the grammar decides nothing, a span goes on with the request's own text repeating (`HistoryLookup`), as far as
+    the grammar allows."""
 
     max_tokens: int = 16
     max_nodes: int = 48
@@ -29,6 +31,7 @@ class ForcedSpanConfig:
     prior_weight: float = 4.0
     forced_only: bool = True
     min_reach: float = 0.3
+    lookup: bool = True
 
     def __post_init__(self):
         if self.max_tokens < 1:

@@ -113,6 +113,8 @@ class RequestGrammar:
         self.vocab_size = vocab_size
         self.dead_end = False
         self.rejected_token: int | None = None
+        self.lookup = None   # a forced_spans.HistoryLookup over the request's text: lookup spans (None: off)
+        self.last_guessed: tuple[bool, ...] = ()   # the last span's tokens: whether the lookup guessed each
 
     @property
     def terminated(self) -> bool:
@@ -151,8 +153,12 @@ class RequestGrammar:
 
     def forced_span(self, path: list[int], spell, max_tokens: int) -> list[int]:
         """The tokens the grammar alone decides after `path` (tokens below the root), at most `max_tokens`:
-        [] where the path is illegal or nothing is decided (`jump_forward_span` on this request's matcher)."""
-        return jump_forward_span(self.matcher, path, spell, max_tokens, self.vocab_size)
+        [] where the path is illegal or nothing is decided (`jump_forward_span` on this request's matcher); with
+        `lookup` set, where the grammar decides nothing the span goes on with the request's own text repeating."""
+        guessed: list[bool] = []
+        out = jump_forward_span(self.matcher, path, spell, max_tokens, self.vocab_size, self.lookup, guessed)
+        self.last_guessed = tuple(guessed)
+        return out
 
     def advance(self, tokens: list[int]) -> bool:
         for t in tokens:

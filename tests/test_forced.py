@@ -307,7 +307,7 @@ def test_a_grammar_that_forces_nothing_behaves_as_today(random_models, kind):
     engine = Engine(target, kind, drafters[kind])
     prompts = [[5, 6, 7], [8, 9]]
     runs = {}
-    for spans in (None, ForcedSpans(spell)):
+    for spans in (None, ForcedSpans(spell, ForcedSpanConfig(lookup=False))):   # (repeats: the next test)
         runs[spans is None] = engine.generate(prompts, 16, static_chooser(from_sglang(3, 3, 8)),
                                               grammars=[grammar("root ::= [a-c]+"), None], forced_spans=spans)
     for today, now in zip(runs[True], runs[False]):
@@ -315,6 +315,27 @@ def test_a_grammar_that_forces_nothing_behaves_as_today(random_models, kind):
         assert [(s.tree, s.num_nodes, s.accepted) for s in now.steps] == \
                [(s.tree, s.num_nodes, s.accepted) for s in today.steps]
         assert now.forced.spans == 0
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle"])
+def test_where_the_grammar_decides_nothing_lookup_spans_repeat_the_requests_own_text(random_models, kind):
+    """`[a-c]+` decides no token, but 24 letters of three repeat some pair (9 pairs, 23 places): with lookup spans
+    (the default) the engine drafts the letter that followed the pair's latest earlier occurrence, verified like any
+    draft; the output stays plain decoding's. Without them nothing is drafted beyond the drafter's tree."""
+    target, drafters = random_models
+    engine = Engine(target, kind, drafters[kind])
+    ebnf = "root ::= [a-c]+"
+    ref = generate_plain(target, [5, 6, 7], 24, grammar=grammar(ebnf))
+    runs = {}
+    for lookup in (True, False):
+        spans = ForcedSpans(spell, ForcedSpanConfig(lookup=lookup))
+        out = engine.generate([[5, 6, 7]], 24, static_chooser(Tree.chain(1)), grammars=[grammar(ebnf)],
+                              forced_spans=spans)[0]
+        assert out.output_ids == ref
+        runs[lookup] = out
+    assert runs[True].forced.spans > 0 and runs[True].forced.tried > 0, runs[True].forced
+    assert runs[False].forced.spans == 0
+    print(kind, "lookup spans:", runs[True].forced.to_json(len(ref)))
 
 
 def _exact_sequences(target, prompt: list[int], ebnf: str, max_len: int) -> dict[tuple, float]:

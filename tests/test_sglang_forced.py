@@ -137,3 +137,17 @@ def test_a_span_that_completes_the_grammar_ends_the_output(servers):
         assert out["meta_info"]["finish_reason"]["type"] == "stop", out["meta_info"]["finish_reason"]
         verified, accepted = _forced(out)
         assert accepted > 0 and len(out["output_ids"]) < GREEDY["max_new_tokens"], (verified, accepted, out)
+
+
+def test_a_resting_step_still_verifies_the_spans_below_its_roots(servers):
+    """Where the policy rests the drafter (chain:0: no draft levels), a constrained row still takes its span below
+    the root (the grammar's text, its repeats), verified as a chain; the positions it accepts are owed to the
+    drafter and caught up when it drafts again. The output stays plain's."""
+    plain, ent = servers
+    jobs = list(_jobs().values())
+    outs = [ent.post("/generate", j) for j in jobs]
+    _equal(plain, outs, jobs)
+    rested = [n for o in outs for name, n in zip(o["meta_info"]["entmtp_trees"], o["meta_info"]["entmtp_accepted"])
+              if name in ("rest", "chain:0")]
+    print("drafts accepted on resting steps:", rested)
+    assert any(n > 0 for n in rested), rested

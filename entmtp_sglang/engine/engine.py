@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from ..forced_spans import HistoryLookup
 from ..grammar import GrammarDraftMasks
 from ..model.llama import LlamaForCausalLM
 from ..policy.chooser import StepChooser, StepRecord, StepView
@@ -298,6 +299,12 @@ class Engine:
             return None
         room = [max(0, min(self.context - int(lens[i]) - 1, max_new_tokens - len(r.output_ids) - 1))
                 for i, r in enumerate(results)]
+        if spans.config.lookup:   # lookup spans: each constrained request's text, indexed as its output grows
+            for g, r in zip(grammars, results):
+                if g is not None:
+                    if getattr(g, "lookup", None) is None:
+                        g.lookup = HistoryLookup()
+                    g.lookup.sync(r.prompt_ids, r.output_ids)
         return ForcedStep(spans, grammars, active, [r.forced for r in results], room)
 
     # ------------------------------------------------------------------------------------------

@@ -67,7 +67,8 @@ def forced_config_from_env() -> ForcedSpanConfig | None:
         raise ValueError(f"{ENV_FORCED_MAX} must be >= 1, got {n}")
     # one span per request: below the leaf of the drafter's top-1 path (`rank_priority` scores it 0, a path with a
     # lower-ranked turn -1, below the reach floor log 0.5); a resting row's root is that leaf
-    return ForcedSpanConfig(max_tokens=n, max_nodes=n, min_reach=TOP1_REACH, forced_only=False)
+    return ForcedSpanConfig(max_tokens=n, max_nodes=n, min_reach=TOP1_REACH, forced_only=False,
+                            lookup=lookup_mode() != "0")
 
 
 def lookup_mode() -> str:
@@ -383,7 +384,7 @@ class ForcedDraft:
         self.last_caps = (spans.config.max_tokens, spans.config.max_tokens)
         # rid -> the request's text as an n-gram index (HistoryLookup), None with ENTMTP_LOOKUP_SPANS=0; rows without
         # a grammar take lookup spans with ENTMTP_LOOKUP_SPANS=all only
-        mode = lookup_mode()
+        mode = lookup_mode() if spans.config.lookup else "0"
         self.lookups: dict[str, HistoryLookup] | None = None if mode == "0" else {}
         self.lookup_free = mode == "all"
 

@@ -91,6 +91,7 @@ class _Rest(Exception):
 
 
 ENV_RAGGED = "ENTMTP_RAGGED"   # "0": every row of a speculating step verifies the step's N nodes (no resting rows)
+ENV_REST_SPANS = "ENTMTP_REST_SPANS"   # "0": a resting step verifies its roots alone (no forced or lookup spans)
 MAX_PENDING = 16   # rested positions a request may owe the drafter before a catch-up runs regardless (at least the
                    # longest rest plus one: penalised batches rest to their end)
 COST_REFIT_EVERY = 32   # decode steps between refits of the step costs timed in this server
@@ -149,6 +150,7 @@ class EntMtpWorker(EAGLEWorkerV2):
                                              target_worker.model_config.vocab_size, self.ragged, self.topk)
         self._forced_step: ForcedStep | None = None     # this step's spans, until SGLang reports its acceptance
         self._forced_width: int | None = None           # the width the step's forced spans widened (restored after)
+        self._rest_spans_on = os.environ.get(ENV_REST_SPANS, "1").strip() != "0"
         self.signal = self.tree_set.signal         # draft_entropy or draft_margin (config checks)
         self.controller = TreeController.for_tree_set(self.tree_set, self.config.policy != "entmtp-bins",
                                                       hysteresis=self.config.hysteresis,
@@ -320,10 +322,14 @@ class EntMtpWorker(EAGLEWorkerV2):
             seconds = time.perf_counter() - start
             if self.observer is not None:
                 self._observe(batch, seconds)
-            if self.costs is not None and self._step.chosen is not None and self._step.ragged is None:
-                self._time_step(len(batch.reqs), seconds)   # (a ragged step is not its shape tree's full step)
-            if self.ragged_costs is not None:
-                self._time_ragged(len(batch.reqs), seconds)
+            try:
+                if self.costs is not None and self._step.chosen is not None and self._step.ragged is None:
+                    self._time_step(len(batch.reqs), seconds)   # (a ragged step is not its shape tree's full step)
+                if self.ragged_costs is not None:
+                    self._time_ragged(len(batch.reqs), seconds)
+            except Exception:   # timing must never fail a request: the server keeps the costs it has
+                logger.exception("ENTMTP: timing a step failed; online step costs stop")
+                self.costs = self.ragged_costs = None
         self._record_signals(batch)
         if prof is not None:
             prof.end_step(tree=REST if self._step.resting else self._step.name, bs=len(batch.reqs))
@@ -355,9 +361,12 @@ class EntMtpWorker(EAGLEWorkerV2):
     def _time_ragged(self, rows: int, seconds: float) -> None:
         """A speculating step (the tokens it verified and its draft levels: a ragged step's rows their own node
         counts, a step where every row took the shape's tree N a row) or a resting step (one token a row, no
-        levels) into the online ragged cost, which prices every step the policy compares (ragged or not); at each
-        refit the policy takes the new fit (`TreeController.set_ragged_cost`)."""
+        levels; one whose rows took spans is left out) into the online ragged cost, which prices every step the
+        policy compares (ragged or not); at each refit the policy takes the new fit
+        (`TreeController.set_ragged_cost`)."""
         step = self._step
+        if step.resting and step.ragged is not None:   # a resting step whose rows took spans: neither the plain
+            return                                     # decode nor a drafting step the policy prices
         if step.drafts:
             tokens = step.ragged.total_tokens if step.ragged is not None else rows * step.num_nodes
             self.ragged_costs.observe(tokens, step.num_steps, rows, seconds)
@@ -442,53 +451,71 @@ class EntMtpWorker(EAGLEWorkerV2):
     # -- resting ------------------------------------------------------------------------------------
     def _draft_extend_or_rest(self, batch, batch_result, **kwargs):
         """Replaces EagleDraftWorker._draft_extend_for_decode: on a resting step the draft model does not run;
-        each request owes it the position just verified (the token the target chose there and the target's
-        hidden state), caught up by `_catch_up`."""
+        each request owes it the positions just verified and accepted (its root, and the accepted part of its span
+        when the step had one: the token the target chose after each and the target's hidden state there), caught
+        up by `_catch_up`."""
         if not self._step.resting:
             return self._extend_for_decode(batch, batch_result, **kwargs)
         tokens = batch_result.next_token_ids
         hidden = batch_result.logits_output.hidden_states
-        if tokens is not None and hidden is not None and tokens.shape[0] == len(batch.reqs) == hidden.shape[0]:
-            tokens, hidden = tokens.clone(), hidden.clone()   # a graph's output buffers are reused next step
+        bs = len(batch.reqs)
+        width = tokens.shape[0] // bs if tokens is not None and bs else 0
+        lens = batch_result.accept_lens
+        if (width and hidden is not None and tokens.shape[0] == bs * width == hidden.shape[0]
+                and (width == 1 or lens is not None)):
+            # a graph's output buffers are reused next step; a chain's accepted tokens lead its row (verify)
+            tokens, hidden = tokens.view(bs, width).clone(), hidden.view(bs, width, -1).clone()
+            counts = [1] * bs if width == 1 else [max(1, min(int(n), width)) for n in lens.tolist()]
             for i, r in enumerate(batch.reqs):
                 if self._never_drafts(r):   # nothing to catch up
                     self._pending.pop(r.rid, None)
                 else:
-                    self._pending.setdefault(r.rid, []).append((tokens[i], hidden[i]))
+                    self._pending.setdefault(r.rid, []).extend((tokens[i, j], hidden[i, j]) for j in range(counts[i]))
         else:   # an unexpected layout: nothing to catch up from, so the drafter starts cold (still lossless)
             for r in batch.reqs:
                 self._pending.pop(r.rid, None)
         self._stub_skipped_draft_extend(batch, batch_result)
 
+    @property
+    def _rest_spans(self) -> bool:
+        """Whether a resting step's rows take spans (the grammar's text, their repeats) below their roots: on unless
+        ENTMTP_REST_SPANS=0, and never while recording a calibration (a resting step is timed as one token a row)."""
+        return self.observer is None and self._rest_spans_on
+
     def verify(self, batch, *args, **kwargs):
-        """SGLang's verify; on a resting step as a one-node chain (topk 1): the accepted path is the root, already
-        where SGLang's tree compaction would move it, so the KV, token and hidden-state compaction is skipped."""
-        if not self._step.resting:
-            self._forced_step = None
-            if self.forced is not None and self.speculative_num_steps > 0 and len(self._step_reqs) == len(batch.reqs):
-                self._forced_spans(batch)
-            rs = self._step.ragged
-            if rs is not None:   # padding nodes unlinked: SGLang's acceptance and grammar walks never visit them
-                spec = batch.spec_info
-                if tuple(spec.retrieve_next_token.shape) != tuple(rs.real.shape):
-                    raise RuntimeError(f"ENTMTP: ragged verify for rows of {tuple(rs.real.shape)} nodes, SGLang's "
-                                       f"verify has {tuple(spec.retrieve_next_token.shape)}")
-                spec.retrieve_next_token = rs.next_token.to(spec.retrieve_next_token.dtype)
-                spec.retrieve_next_sibling = rs.next_sibling.to(spec.retrieve_next_sibling.dtype)
+        """SGLang's verify, the step's forced spans hung into its input first. A resting step verifies as a chain
+        (topk 1): its root, and below it the row's span when it has one (`rest_spans`), so the accepted path is
+        already where SGLang's tree compaction would move it, and the KV, token and hidden-state compaction is
+        skipped."""
+        resting = self._step.resting
+        self._forced_step = None
+        if (self.forced is not None and len(self._step_reqs) == len(batch.reqs)
+                and (self._rest_spans if resting else self.speculative_num_steps > 0)):
+            self._forced_spans(batch)
+        rs = self._step.ragged
+        if rs is not None:   # padding nodes unlinked: SGLang's acceptance and grammar walks never visit them
+            spec = batch.spec_info
+            if tuple(spec.retrieve_next_token.shape) != tuple(rs.real.shape):
+                raise RuntimeError(f"ENTMTP: ragged verify for rows of {tuple(rs.real.shape)} nodes, SGLang's "
+                                   f"verify has {tuple(spec.retrieve_next_token.shape)}")
+            spec.retrieve_next_token = rs.next_token.to(spec.retrieve_next_token.dtype)
+            spec.retrieve_next_sibling = rs.next_sibling.to(spec.retrieve_next_sibling.dtype)
+        if resting:
+            topk, self.topk = self.topk, 1
+            try:
+                out = super().verify(batch, *args, **kwargs)
+            finally:
+                self.topk = topk
+        else:
             out = super().verify(batch, *args, **kwargs)
-            if self._forced_step is not None:
-                counted = self.forced.verified(self._forced_step, batch.reqs, getattr(out, "accept_index", None))
-                for r, (fv, fa, lv, la) in zip(batch.reqs, counted):
-                    if fv or not lv:
-                        visibility.note(r, visibility.FORCED, [fv, fa])
-                    if lv:
-                        visibility.note(r, visibility.LOOKUP, [lv, la])
-            return out
-        topk, self.topk = self.topk, 1
-        try:
-            return super().verify(batch, *args, **kwargs)
-        finally:
-            self.topk = topk
+        if self._forced_step is not None:
+            counted = self.forced.verified(self._forced_step, batch.reqs, getattr(out, "accept_index", None))
+            for r, (fv, fa, lv, la) in zip(batch.reqs, counted):
+                if fv or not lv:
+                    visibility.note(r, visibility.FORCED, [fv, fa])
+                if lv:
+                    visibility.note(r, visibility.LOOKUP, [lv, la])
+        return out
 
     def _forced_threshold(self, rows: int) -> float:
         """A verified token's price in emitted tokens this step (forced_draft.token_threshold): the step cost the
@@ -537,7 +564,8 @@ class EntMtpWorker(EAGLEWorkerV2):
         for SGLang's acceptance code. Every other forward is SGLang's own."""
         spec = forward_batch.spec_info
         resting = self._step.resting
-        if self._step.ragged is not None and not resting and forward_batch.forward_mode.is_target_verify():
+        if self._step.ragged is not None and forward_batch.forward_mode.is_target_verify():   # (a resting step's
+            # layout is ragged only when its rows took spans)
             return self._ragged_forward(forward_batch, *args, **kwargs)
         if not (resting and forward_batch.forward_mode.is_target_verify()
                 and int(getattr(spec, "draft_token_num", 0) or 0) == 1):
