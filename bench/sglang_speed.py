@@ -83,6 +83,9 @@ ENTMTP_NO_FORCED = SystemSpec("entmtp-no-forced", "ENTMTP", env=(("ENTMTP_FORCED
 # forced spans of the grammar's text only, without the request's own text repeating where the grammar decides
 # nothing (lookup spans): an ablation, not run unless named
 ENTMTP_NO_LOOKUP = SystemSpec("entmtp-no-lookup", "ENTMTP", env=(("ENTMTP_LOOKUP_SPANS", "0"),))
+# lookup spans on constrained rows only (rows without a grammar take no repeats as spans): an ablation, not run
+# unless named
+ENTMTP_LOOKUP_CONSTRAINED = SystemSpec("entmtp-lookup-constrained", "ENTMTP", env=(("ENTMTP_LOOKUP_SPANS", "1"),))
 # spans only on speculating steps: a step the policy rests verifies its roots alone (before spans came to resting
 # steps): an ablation, not run unless named
 ENTMTP_NO_REST_SPANS = SystemSpec("entmtp-no-rest-spans", "ENTMTP", env=(("ENTMTP_REST_SPANS", "0"),))
@@ -90,7 +93,8 @@ ENTMTP_NO_REST_SPANS = SystemSpec("entmtp-no-rest-spans", "ENTMTP", env=(("ENTMT
 ENTMTP_EAGLE3 = SystemSpec("entmtp-eagle3", "ENTMTP", draft="eagle3")
 # stock and plain in every wave; ENTMTP's wave first, beside adaptive
 SYSTEMS = (STOCK, PLAIN, ENTMTP, *EAGLE_SGLANG_LAYERS)
-OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED, ENTMTP_NO_LOOKUP, ENTMTP_NO_REST_SPANS)
+OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED, ENTMTP_NO_LOOKUP, ENTMTP_NO_REST_SPANS,
+            ENTMTP_LOOKUP_CONSTRAINED)
 EVERY_WAVE = (STOCK.name, PLAIN.name)
 DEFAULT = tuple(s.name for s in SYSTEMS)
 AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB

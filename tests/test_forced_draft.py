@@ -273,7 +273,7 @@ def test_a_rows_span_goes_on_with_its_own_repeats_unless_lookup_spans_are_off(mo
 def test_a_row_without_a_grammar_takes_its_own_repeats_as_spans(monkeypatch, mode):
     """A free row (grammar None): with ENTMTP_LOOKUP_SPANS=all, below its top-1 leaf the tokens that followed the
     latest earlier occurrence of its path's end in its prompt and output, counted apart from the grammar's spans;
-    by default (1: constrained rows only) and with 0, nothing."""
+    with 1 (constrained rows only) and with 0, nothing."""
     from types import SimpleNamespace
 
     monkeypatch.setenv(forced_draft.ENV_LOOKUP, mode)
@@ -301,6 +301,8 @@ def test_the_lookup_switch_is_validated(monkeypatch):
         forced_draft.lookup_mode()
     monkeypatch.setenv(forced_draft.ENV_LOOKUP, " ALL ")
     assert forced_draft.lookup_mode() == "all"
+    monkeypatch.delenv(forced_draft.ENV_LOOKUP)
+    assert forced_draft.lookup_mode() == "all"   # the default: every row, with a grammar or not
 
 
 def _one_row_spec():

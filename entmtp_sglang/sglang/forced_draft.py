@@ -46,8 +46,8 @@ logger = logging.getLogger("entmtp_sglang.sglang")
 
 ENV_FORCED = "ENTMTP_FORCED_SPANS"              # "0": no forced spans inside SGLang
 ENV_FORCED_MAX = "ENTMTP_FORCED_MAX_TOKENS"     # forced tokens per request and step (default 16)
-# lookup spans, where a span goes on with the request's own text repeating: "1" (default) on constrained rows, "all"
-# on rows without a grammar too (their spans are their repeats alone), "0" off (spans hold the grammar's text only)
+# lookup spans, where a span goes on with the request's own text repeating: "all" (default) on every row (a row without
+# a grammar: its spans are its repeats alone), "1" on constrained rows only, "0" off (spans hold the grammar's text)
 ENV_LOOKUP = "ENTMTP_LOOKUP_SPANS"
 DEFAULT_MAX_TOKENS = 16
 TOP1_REACH = 0.5   # the reach floor (forced_spans.ForcedSpanConfig.min_reach) over `rank_priority`: the top-1 path only
@@ -73,7 +73,7 @@ def forced_config_from_env() -> ForcedSpanConfig | None:
 
 def lookup_mode() -> str:
     """ENTMTP_LOOKUP_SPANS as "0", "1" or "all" (a ValueError names another value)."""
-    raw = os.environ.get(ENV_LOOKUP, "1").strip().lower() or "1"
+    raw = os.environ.get(ENV_LOOKUP, "all").strip().lower() or "all"
     if raw not in ("0", "1", "all"):
         raise ValueError(f"{ENV_LOOKUP} must be 0, 1 or all, got {raw!r}")
     return raw
