@@ -541,7 +541,8 @@ class EntMtpWorker(EAGLEWorkerV2):
                 if self._never_drafts(r) or needs_plain_decoding([r]):
                     continue
                 if getattr(r, "grammar", None) is None:
-                    grammars[i] = None
+                    if self.observer is None:   # (a calibration records the drafter's own acceptance on free rows)
+                        grammars[i] = None
                 elif (g := grammar_draft.live_grammar(r)) is not None:
                     grammars[i] = g
         step = self.forced.extend(batch.spec_info, self._step.ragged, reqs, grammars, [self._room(r) for r in reqs],
