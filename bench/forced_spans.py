@@ -5,8 +5,10 @@
 
 After one untimed warm-up, per prompt, greedy, batch 1, in each repeat and in this order: plain decoding under
 the grammar, the policy without forced spans, the policy with the grammar's spans alone (no lookup spans), the
-policy with them all (`engine/forced.py`: the grammar's text, and the request's own text repeating where the grammar
-decides nothing). Every output must equal plain's (asserted).
+policy with them all but each of the grammar's texts ending in its last token as the tokenizer spells it alone
+(`join_ends` off), and the policy with them all (`engine/forced.py`: the grammar's text, its last token the one the
+model writes there joined to what follows, `forced_spans.SpanEnds`, and the request's own text repeating where the
+grammar decides nothing). Every output must equal plain's (asserted).
 Reports tokens/s (median over repeats of total tokens / total seconds), tokens per target pass, and for the
 last run (lookup spans included) the share of output tokens that came from forced spans, their acceptance (per
 token, from the first token of each span reached) and mean span length. Writes <out>.jsonl (one row per mode, with the
@@ -97,8 +99,10 @@ def main(argv=None) -> int:
         make_chooser = lambda: entmtp_policy(ts)  # noqa: E731
     config = ForcedSpanConfig(max_tokens=args.max_span, max_nodes=max(args.max_nodes, args.max_span),
                               min_reach=args.min_reach)
-    modes = ("plain", "policy", "policy + grammar spans", "policy + forced spans")
+    modes = ("plain", "policy", "policy + grammar spans", "policy + forced spans, spelled ends",
+             "policy + forced spans")
     no_lookup = dataclasses.replace(config, lookup=False)
+    spelled = dataclasses.replace(config, join_ends=False)
     seconds = {m: [] for m in modes}
     tokens = {m: 0 for m in modes}
     passes = {m: 0 for m in modes}
@@ -106,13 +110,14 @@ def main(argv=None) -> int:
     plain_out: dict[str, list[int]] = {}
     item, compiled = items[0]  # warm-up (grammar compilation, kernels, caches), not timed
     generate_plain(b.target, item["ids"], 8, grammar=RequestGrammar(compiled, vocab))
-    for spans in (None, *(ForcedSpans.for_tokenizer(b.tokenizer, c) for c in (no_lookup, config))):
+    for spans in (None, *(ForcedSpans.for_tokenizer(b.tokenizer, c) for c in (no_lookup, spelled, config))):
         engine.generate([item["ids"]], 8, make_chooser(), grammars=[RequestGrammar(compiled, vocab)],
                         forced_spans=spans)
     for rep in range(args.repeats):
         spent = {m: 0.0 for m in modes}
         forced = ForcedSpans.for_tokenizer(b.tokenizer, config)  # a fresh calibration per repeat
         grammar_only = ForcedSpans.for_tokenizer(b.tokenizer, no_lookup)
+        spelled_ends = ForcedSpans.for_tokenizer(b.tokenizer, spelled)
         for item, compiled in items:
             prompt = item["ids"]
             t0 = time.perf_counter()
@@ -121,6 +126,7 @@ def main(argv=None) -> int:
             spent["plain"] += time.perf_counter() - t0
             plain_out[item["id"]] = ref
             for mode, spans in (("policy", None), ("policy + grammar spans", grammar_only),
+                                ("policy + forced spans, spelled ends", spelled_ends),
                                 ("policy + forced spans", forced)):
                 t0 = time.perf_counter()
                 r = engine.generate([prompt], args.max_new_tokens, make_chooser(),

@@ -89,12 +89,15 @@ ENTMTP_LOOKUP_CONSTRAINED = SystemSpec("entmtp-lookup-constrained", "ENTMTP", en
 # spans only on speculating steps: a step the policy rests verifies its roots alone (before spans came to resting
 # steps): an ablation, not run unless named
 ENTMTP_NO_REST_SPANS = SystemSpec("entmtp-no-rest-spans", "ENTMTP", env=(("ENTMTP_REST_SPANS", "0"),))
+# grammar spans ending in their text's last token as the tokenizer spells it, not in the token the model writes there
+# joined to what follows (forced_spans.SpanEnds): an ablation, not run unless named
+ENTMTP_NO_SPAN_ENDS = SystemSpec("entmtp-no-span-ends", "ENTMTP", env=(("ENTMTP_SPAN_ENDS", "0"),))
 # ENTMTP with the EAGLE-3 drafter trained on fixed data (models/<model>/eagle3/, issue 38), where the model has one
 ENTMTP_EAGLE3 = SystemSpec("entmtp-eagle3", "ENTMTP", draft="eagle3")
 # stock and plain in every wave; ENTMTP's wave first, beside adaptive
 SYSTEMS = (STOCK, PLAIN, ENTMTP, *EAGLE_SGLANG_LAYERS)
 OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED, ENTMTP_NO_LOOKUP, ENTMTP_NO_REST_SPANS,
-            ENTMTP_LOOKUP_CONSTRAINED)
+            ENTMTP_LOOKUP_CONSTRAINED, ENTMTP_NO_SPAN_ENDS)
 EVERY_WAVE = (STOCK.name, PLAIN.name)
 DEFAULT = tuple(s.name for s in SYSTEMS)
 AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB
@@ -104,7 +107,7 @@ TASKS = ("code", "chat", "prose", "json", "tool-call")
 COMPACT = "--constrained-json-disable-any-whitespace"
 COMPACT_TASKS = ("json", "tool-call")
 COMPACT_SYSTEMS = (STOCK.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name, ENTMTP_NO_FORCED.name,
-                   ENTMTP_NO_LOOKUP.name, ENTMTP_NO_REST_SPANS.name)
+                   ENTMTP_NO_LOOKUP.name, ENTMTP_NO_REST_SPANS.name, ENTMTP_NO_SPAN_ENDS.name)
 # the mixed batch: agent traffic, every batch in flight mixing schema extraction, tool calls, code and chat
 MIXED_BATCH_TASKS = ("json", "tool-call", "code", "chat")
 

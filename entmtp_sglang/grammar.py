@@ -114,6 +114,7 @@ class RequestGrammar:
         self.dead_end = False
         self.rejected_token: int | None = None
         self.lookup = None   # a forced_spans.HistoryLookup over the request's text: lookup spans (None: off)
+        self.join = None     # a forced_spans.RequestSpanEnds: the token a span ends in (None: as spelled)
         self.last_guessed: tuple[bool, ...] = ()   # the last span's tokens: whether the lookup guessed each
 
     @property
@@ -156,7 +157,8 @@ class RequestGrammar:
         [] where the path is illegal or nothing is decided (`jump_forward_span` on this request's matcher); with
         `lookup` set, where the grammar decides nothing the span goes on with the request's own text repeating."""
         guessed: list[bool] = []
-        out = jump_forward_span(self.matcher, path, spell, max_tokens, self.vocab_size, self.lookup, guessed)
+        out = jump_forward_span(self.matcher, path, spell, max_tokens, self.vocab_size, self.lookup, guessed,
+                                self.join)
         self.last_guessed = tuple(guessed)
         return out
 
@@ -170,8 +172,34 @@ class RequestGrammar:
         return True
 
 
+def token_allowed(bitmask_row: torch.Tensor, token: int) -> bool:
+    """xgrammar's packed bitmask: bit (token % 32) of int32 word token // 32."""
+    if token < 0 or token // 32 >= bitmask_row.shape[-1]:
+        return False
+    return bool((int(bitmask_row[token // 32]) >> (token % 32)) & 1)
+
+
+def _joined(m, token: int, join, vocab_size: int) -> int:
+    """The last token of a spelled jump-forward text, or the token `join` picks instead where the grammar decides
+    nothing after it: one the grammar allows here whose text goes on from it (`forced_spans.RequestSpanEnds`)."""
+    import xgrammar as xgr
+
+    bm = xgr.allocate_token_bitmask(1, vocab_size)
+    m.fill_next_token_bitmask(bm)
+    if not m.accept_token(int(token)):
+        return token
+    try:
+        decided = m.find_jump_forward_string().strip() if not m.is_terminated() else "end"
+    finally:
+        m.rollback(1)
+    if decided:
+        return token
+    other = join(int(token), lambda u: token_allowed(bm[0], u))
+    return token if other is None else int(other)
+
+
 def jump_forward_span(matcher, path: list[int], spell, max_tokens: int, vocab_size: int,
-                      lookup=None, guessed: list | None = None) -> list[int]:
+                      lookup=None, guessed: list | None = None, join=None) -> list[int]:
     """The tokens an xgrammar `GrammarMatcher` alone decides after `path` (tokens below its current state), at most
     `max_tokens`: [] where the path is illegal or nothing is decided. The matcher is left as found.
 
@@ -179,7 +207,9 @@ def jump_forward_span(matcher, path: list[int], spell, max_tokens: int, vocab_si
         while fewer than max_tokens and not terminated:
             text = the grammar's jump-forward string (xgrammar: the text every legal continuation starts with),
                    less trailing whitespace (a tokenizer joins it to the next word: `": ` is spelled `":` ` 1`)
-            if text:  take spell(text) (the tokenizer's spelling) up to its first token the grammar refuses
+            if text:  take spell(text) (the tokenizer's spelling) up to its first token the grammar refuses;
+                      with `join`, where the grammar decides nothing after the spelling's last token, that token
+                      may give way to one that goes on from it as the model writes it (`"` -> `":`, `join`)
             elif lookup(path + taken) names a token the grammar allows: take it (the request's own text
                  repeating, `forced_spans.HistoryLookup`; a guess, not the grammar's decision, except where it
                  is the only legal token, which the next line would take anyway)
@@ -188,6 +218,10 @@ def jump_forward_span(matcher, path: list[int], spell, max_tokens: int, vocab_si
         roll everything back
 
     `guessed`, if given, gets one bool per returned token: whether the lookup guessed it (else the grammar decided it).
+    `join(token, allowed) -> token | None` (`forced_spans.RequestSpanEnds`): where a spelled text ends and the grammar
+    decides nothing after it, a token the grammar allows there (`allowed(u)`) whose text goes on from `token`'s,
+    which the model writes in place of the spelling's last token: under free whitespace the grammar's text after
+    a key ends at its closing quote, but the model writes the quote and the colon as one token.
     `spell(text) -> list[int]` is the tokenizer's ordinary encoding of `text` (no special tokens). The model may
     spell the same text otherwise: the span is a draft, verified like any other. Shared by the reference engine
     (`RequestGrammar.forced_span`) and SGLang's grammar objects (`sglang/forced_draft.py`)."""
@@ -208,7 +242,11 @@ def jump_forward_span(matcher, path: list[int], spell, max_tokens: int, vocab_si
             text = m.find_jump_forward_string().rstrip()
             took = 0
             if text:
-                for t in spell(text)[: max_tokens - len(out)]:
+                spelled = spell(text)
+                taken = spelled[: max_tokens - len(out)]
+                for j, t in enumerate(taken):
+                    if join is not None and j == len(spelled) - 1:   # the whole text spelled: its last token
+                        t = _joined(m, int(t), join, vocab_size)
                     if not m.accept_token(int(t)):
                         break
                     out.append(int(t))

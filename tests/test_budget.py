@@ -592,6 +592,30 @@ def test_one_slow_ragged_step_does_not_price_its_point_out():
     assert online.refit()(9, 2, 4) > 1.5 * TRUE(9, 2, 4)
 
 
+def test_a_fit_from_a_slow_stretch_is_forgotten_once_no_speculating_step_is_timed_again():
+    """Speculating steps timed while the machine was busy (3x) price speculation out, so the policy rests every
+    step and no speculating step is timed again: after `stale_refits` refit periods of resting steps alone their
+    points are forgotten and the fit is the prior's line again (the policy speculates, fresh times price it)."""
+    prior = TRUE.scaled(1.1)
+    online = OnlineRaggedCost(prior=prior, refit_every=16, stale_refits=2)
+    points = [(4, 1, 1), (6, 2, 1), (9, 2, 1), (12, 3, 1)]
+    for p in points:
+        for _ in range(4):
+            online.observe(*p, 3 * TRUE(*p))
+    assert online.refit()(9, 2, 1) == pytest.approx(3 * TRUE(9, 2, 1), rel=1e-6)   # the slow stretch's fit
+    rests = 0
+    while online.refit()(9, 2, 1) > 2 * TRUE(9, 2, 1):   # resting steps alone from now on
+        for _ in range(online.refit_every):
+            online.observe(1, 0, 1, TRUE(1, 0, 1))
+        rests += online.refit_every
+        assert rests <= 3 * online.refit_every, "the slow fit was never forgotten"
+    assert rests > online.refit_every   # not at the first refit: a point is kept for stale_refits periods
+    assert online.cost(9, 2, 1) == pytest.approx(prior(9, 2, 1), rel=1e-6)
+    assert online.cost(1, 0, 1) == pytest.approx(TRUE(1, 0, 1), rel=1e-6)   # the resting steps' own times stay
+    with pytest.raises(ValueError, match="stale_refits"):
+        OnlineRaggedCost(stale_refits=0)
+
+
 def test_allocating_with_a_fitted_cost_equals_brute_force():
     cost = fit_ragged_cost(_steps(TRUE))
     rng = random.Random(99)

@@ -121,6 +121,38 @@ def test_a_span_goes_on_with_the_requests_own_repeats_where_the_grammar_decides_
     assert letters(jump_forward_span(g.matcher, [], spell, 16, len(VOCAB))) == "a"   # as found
 
 
+def test_a_span_ends_in_the_token_the_model_writes_there_joined_to_what_follows():
+    """`SpanEnds`: where the grammar decides nothing after a spelled text's last token (`x`: a space or `y` may
+    follow), the span ends in a token the grammar allows there that goes on from it (`xy`), the one the request wrote
+    most, else the one emitted more often than the spelled token over all requests; never one the grammar refuses,
+    and nothing changes where the grammar decides more after the last token. The matcher is left as found."""
+    from entmtp_sglang.forced_spans import SpanEnds
+    from entmtp_sglang.grammar import jump_forward_span
+
+    ends = SpanEnds(VOCAB)
+    assert [VOCAB[u] for u in ends.extensions(ID["x"])] == ["xy"] and ends.extensions(ID["7"]) == ()
+
+    def span(g, join, path=()):
+        return [VOCAB[t] for t in jump_forward_span(g.matcher, list(path), spell, 16, len(VOCAB), join=join)]
+
+    g = grammar('root ::= ("gh" "x" " "? "y" [0-9])+')
+    first = ends.request()
+    first.sync([])
+    assert span(g, None) == ["gh", "x"] and span(g, first) == ["gh", "x"]   # nothing written yet: as spelled
+    wrote = [ID["gh"], ID["xy"], ID["7"]]
+    first.sync(wrote)                                                      # the request wrote xy once
+    assert span(g, first) == ["gh", "xy"] and span(g, None) == ["gh", "x"]   # (then a digit: the model's choice)
+    assert span(g, first, wrote) == []                                     # after it: gh again or the end
+    other = ends.request()
+    other.sync([])                                                         # a new request: what all emitted
+    assert span(g, other) == ["gh", "xy"]
+    other.sync([ID["gh"], ID["x"], ID[" "]])                               # it wrote x alone, xy never: over all
+    assert span(g, other) == ["gh", "x"]                                   # xy no more often than x: as spelled
+    assert span(grammar('root ::= "ghx" " " [0-9]'), first) == ["gh", "x"]     # only a space may follow x
+    assert span(grammar('root ::= "ghxy" [0-9]'), first) == ["gh", "xy"]       # y decided: spelled xy anyway
+    assert span(g, None) == ["gh", "x"]                                    # the matcher as found
+
+
 def test_the_only_legal_token_read_off_the_packed_mask_equals_the_unpacked_one():
     """`_only_legal` (one nonzero word with one bit) against unpacking the whole bitmask, on random masks with
     none, one or several bits, bit 31 and bits past the vocabulary included."""

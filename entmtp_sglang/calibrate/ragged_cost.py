@@ -16,7 +16,11 @@ count, as `online.fit_costs` weighs its points) by non-negative least squares; w
 speculating points it scales a prior instead. `OnlineRaggedCost` is the refit a serving worker runs, in the manner
 of `online.OnlineCalibration.observe_time`: the first step of each (depth, batch) shape is a warm-up and is
 dropped, each point keeps its last `RECENT` times (priced by its fastest while fewer than `online.ROBUST`), and
-every `refit_every` steps `refit` fits again. The SGLang worker feeds it every ragged step and every resting step
+every `refit_every` steps `refit` fits again, forgetting a point not timed in the last `STALE_REFITS` refit periods:
+a fit from a slow stretch (a server timed while others started beside it: every speculating step 90 ms against a
+35 ms plain step) made the policy rest every step, so no speculating step was ever timed again to correct it; with
+its points forgotten the fit falls back to the prior, the policy speculates where it pays, and fresh times price
+it. The SGLang worker feeds it every ragged step and every resting step
 (`sglang/worker.py`), and the policy prices ragged steps by its fit once there is one.
 """
 
@@ -33,6 +37,7 @@ import numpy as np
 
 RECENT = 32         # step times kept per (tokens, depth, batch) point, as online.RECENT
 MIN_POINTS = 3      # distinct speculating points before a fit replaces the scaled prior
+STALE_REFITS = 4    # refit periods after which a point not timed again is forgotten
 
 
 @dataclass(frozen=True)
@@ -191,10 +196,13 @@ class OnlineRaggedCost:
     cost: RaggedStepCost | None = None
     times: dict = field(default_factory=dict)   # (tokens, depth, batch) -> deque of its last `recent` seconds
     warm: set = field(default_factory=set)      # (depth, batch) shapes whose warm-up step was dropped
+    last: dict = field(default_factory=dict)    # (tokens, depth, batch) -> the step count when it was last timed
+    stale_refits: int = STALE_REFITS
 
     def __post_init__(self):
-        if self.refit_every < 1 or self.recent < 1:
-            raise ValueError(f"refit_every and recent must be >= 1, got {self.refit_every}, {self.recent}")
+        if self.refit_every < 1 or self.recent < 1 or self.stale_refits < 1:
+            raise ValueError(f"refit_every, recent and stale_refits must be >= 1, got {self.refit_every}, "
+                             f"{self.recent}, {self.stale_refits}")
         if self.cost is None:
             self.cost = self.prior
 
@@ -209,6 +217,7 @@ class OnlineRaggedCost:
             self.warm.add(shape)
             return
         self.times.setdefault(step.point, collections.deque(maxlen=self.recent)).append(seconds)
+        self.last[step.point] = self.steps
 
     def due(self) -> bool:
         return self.steps >= (self.refits + 1) * self.refit_every
@@ -223,8 +232,12 @@ class OnlineRaggedCost:
 
     def refit(self) -> RaggedStepCost | None:
         """The model fitted on the steps kept so far (the current one while too few were measured and there is
-        no prior); it becomes `cost`."""
+        no prior); it becomes `cost`. A point not timed in the last `stale_refits` refit periods is forgotten
+        first (the module docstring)."""
         self.refits += 1
+        cutoff = self.steps - self.stale_refits * self.refit_every
+        for p in [p for p, step in self.last.items() if step <= cutoff]:
+            del self.times[p], self.last[p]
         if self.prior is not None or sum(1 for p in self.times if p[1] > 0) >= MIN_POINTS:
             self.cost = fit_ragged_cost(self.observed(), self.prior)
         return self.cost

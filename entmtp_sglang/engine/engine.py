@@ -299,12 +299,17 @@ class Engine:
             return None
         room = [max(0, min(self.context - int(lens[i]) - 1, max_new_tokens - len(r.output_ids) - 1))
                 for i, r in enumerate(results)]
-        if spans.config.lookup:   # lookup spans: each constrained request's text, indexed as its output grows
-            for g, r in zip(grammars, results):
-                if g is not None:
-                    if getattr(g, "lookup", None) is None:
-                        g.lookup = HistoryLookup()
-                    g.lookup.sync(r.prompt_ids, r.output_ids)
+        for g, r in zip(grammars, results):
+            if g is None:
+                continue
+            if spans.config.lookup:   # lookup spans: each constrained request's text, indexed as its output grows
+                if getattr(g, "lookup", None) is None:
+                    g.lookup = HistoryLookup()
+                g.lookup.sync(r.prompt_ids, r.output_ids)
+            if spans.ends is not None:   # spans end in the token the model writes there (SpanEnds)
+                if getattr(g, "join", None) is None:
+                    g.join = spans.ends.request()
+                g.join.sync(r.output_ids)
         return ForcedStep(spans, grammars, active, [r.forced for r in results], room)
 
     # ------------------------------------------------------------------------------------------

@@ -37,7 +37,15 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..forced_spans import Extended, ForcedSpanConfig, ForcedSpans, ForcedStats, HistoryLookup, extend_tree
+from ..forced_spans import (
+    Extended,
+    ForcedSpanConfig,
+    ForcedSpans,
+    ForcedStats,
+    HistoryLookup,
+    RequestSpanEnds,
+    extend_tree,
+)
 from ..grammar import jump_forward_span
 from ..tree import Tree
 from .ragged import RaggedVerify, packed_index
@@ -49,6 +57,9 @@ ENV_FORCED_MAX = "ENTMTP_FORCED_MAX_TOKENS"     # forced tokens per request and 
 # lookup spans, where a span goes on with the request's own text repeating: "all" (default) on every row (a row without
 # a grammar: its spans are its repeats alone), "1" on constrained rows only, "0" off (spans hold the grammar's text)
 ENV_LOOKUP = "ENTMTP_LOOKUP_SPANS"
+# "0": a grammar span ends in its text's last token as the tokenizer spells it, not in the token the model writes
+# there joined to what follows (forced_spans.SpanEnds: `"` -> `":` after a key under free whitespace)
+ENV_SPAN_ENDS = "ENTMTP_SPAN_ENDS"
 DEFAULT_MAX_TOKENS = 16
 TOP1_REACH = 0.5   # the reach floor (forced_spans.ForcedSpanConfig.min_reach) over `rank_priority`: the top-1 path only
 
@@ -67,8 +78,11 @@ def forced_config_from_env() -> ForcedSpanConfig | None:
         raise ValueError(f"{ENV_FORCED_MAX} must be >= 1, got {n}")
     # one span per request: below the leaf of the drafter's top-1 path (`rank_priority` scores it 0, a path with a
     # lower-ranked turn -1, below the reach floor log 0.5); a resting row's root is that leaf
+    ends = os.environ.get(ENV_SPAN_ENDS, "1").strip()
+    if ends not in ("0", "1", ""):
+        raise ValueError(f"{ENV_SPAN_ENDS} must be 0 or 1, got {ends!r}")
     return ForcedSpanConfig(max_tokens=n, max_nodes=n, min_reach=TOP1_REACH, forced_only=False,
-                            lookup=lookup_mode() != "0")
+                            lookup=lookup_mode() != "0", join_ends=ends != "0")
 
 
 def lookup_mode() -> str:
@@ -90,19 +104,24 @@ class SGLangGrammar:
     `lookup` (`HistoryLookup` over the request's text), where the grammar decides nothing its spans go on with the
     request's own text repeating, as far as the grammar allows it."""
 
-    def __init__(self, grammar, vocab_size: int, lookup: HistoryLookup | None = None):
-        self.grammar, self.vocab_size, self.lookup = grammar, vocab_size, lookup
+    def __init__(self, grammar, vocab_size: int, lookup: HistoryLookup | None = None,
+                 join: RequestSpanEnds | None = None):
+        self.grammar, self.vocab_size, self.lookup, self.join = grammar, vocab_size, lookup, join
         self.last_guessed: tuple[bool, ...] = ()   # the last span's tokens: whether the lookup guessed each
 
     @staticmethod
-    def of(grammar, vocab_size: int, lookup: HistoryLookup | None = None) -> SGLangGrammar | None:
+    def of(grammar, vocab_size: int, lookup: HistoryLookup | None = None,
+           join: RequestSpanEnds | None = None) -> SGLangGrammar | None:
         """None for a grammar without an xgrammar matcher (another backend): no spans for it."""
         matcher = getattr(grammar, "matcher", None)
-        return SGLangGrammar(grammar, vocab_size, lookup) if hasattr(matcher, "find_jump_forward_string") else None
+        if not hasattr(matcher, "find_jump_forward_string"):
+            return None
+        return SGLangGrammar(grammar, vocab_size, lookup, join)
 
     def forced_span(self, path: list[int], spell, max_tokens: int) -> list[int]:
         guessed: list[bool] = []
-        out = jump_forward_span(self.grammar.matcher, path, spell, max_tokens, self.vocab_size, self.lookup, guessed)
+        out = jump_forward_span(self.grammar.matcher, path, spell, max_tokens, self.vocab_size, self.lookup, guessed,
+                                self.join)
         self.last_guessed = tuple(guessed)
         return out
 
@@ -387,6 +406,7 @@ class ForcedDraft:
         mode = lookup_mode() if spans.config.lookup else "0"
         self.lookups: dict[str, HistoryLookup] | None = None if mode == "0" else {}
         self.lookup_free = mode == "all"
+        self.joins: dict[str, RequestSpanEnds] = {}   # rid -> its output counted (SpanEnds), with span ends on
 
     def lookup(self, req) -> HistoryLookup | None:
         """The request's HistoryLookup, synced to its prompt and output (None: lookup spans off)."""
@@ -397,6 +417,16 @@ class ForcedDraft:
             h = self.lookups[req.rid] = HistoryLookup()
         h.sync(getattr(req, "origin_input_ids", None) or (), getattr(req, "output_ids", None) or ())
         return h
+
+    def join(self, req) -> RequestSpanEnds | None:
+        """The request's side of the server's `SpanEnds`, synced to its output (None: span ends off)."""
+        if self.spans.ends is None:
+            return None
+        j = self.joins.get(req.rid)
+        if j is None:
+            j = self.joins[req.rid] = self.spans.ends.request()
+        j.sync(getattr(req, "output_ids", None) or ())
+        return j
 
     def observe(self, accepted: list[int]) -> None:
         """A verified step's accepted drafts per row, into the running mean of tokens emitted per row and step."""
@@ -436,7 +466,13 @@ class ForcedDraft:
                     ENV_LOOKUP, mode, {"0": "off", "1": "where the grammar decides nothing, the request's own text "
                                        "repeating, on constrained rows", "all": "the request's own text repeating, "
                                        "on constrained rows and rows without a grammar"}[mode])
-        return cls(ForcedSpans(lambda text: tok.encode(text, add_special_tokens=False), config), vocab_size)
+        logger.info("ENTMTP: span ends (%s=%s): %s", ENV_SPAN_ENDS, int(config.join_ends),
+                    "where the grammar decides nothing after a span's text, its last token may be one the model writes "
+                    "joined to what follows (`\"` -> `\":`)" if config.join_ends else "off: spans end as the tokenizer "
+                    "spells their text")
+        pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
+        return cls(ForcedSpans(lambda text: tok.encode(text, add_special_tokens=False), config,
+                               [p or "" for p in pieces]), vocab_size)
 
     def extend(self, spec, ragged: RaggedVerify | None, reqs, grammars: dict[int, object], kv_rooms: list[int],
                threshold: float = 0.0) -> ForcedStep | None:
@@ -470,7 +506,7 @@ class ForcedDraft:
             if room <= 0 or leaf_cap == inner_cap == 0:
                 continue
             grammar = (LookupOnly(self.lookup(reqs[b])) if g is None
-                       else SGLangGrammar.of(g, self.vocab_size, self.lookup(reqs[b])))
+                       else SGLangGrammar.of(g, self.vocab_size, self.lookup(reqs[b]), self.join(reqs[b])))
             if grammar is None:
                 continue
             row = rows[b]
@@ -530,6 +566,8 @@ class ForcedDraft:
             self.stats = {k: v for k, v in self.stats.items() if k in live}
         if self.lookups is not None and len(self.lookups) > 4 * max(64, len(reqs)):
             self.lookups = {k: v for k, v in self.lookups.items() if k in live}
+        if len(self.joins) > 4 * max(64, len(reqs)):
+            self.joins = {k: v for k, v in self.joins.items() if k in live}
         self.outcomes.steps += 1
         if self.outcomes.steps % self.LOG_EVERY == 0:
             logger.info("ENTMTP forced spans over %d steps: %s; %.2f tokens a row per step; spans capped at %s "

@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from ..grammar import token_allowed
 from ..policy.signals import draft_signal, top_probs
 
 logger = logging.getLogger("entmtp_sglang.sglang")
@@ -40,13 +41,6 @@ def live_grammar(req):
     except Exception:
         return None
     return g
-
-
-def token_allowed(bitmask_row: torch.Tensor, token: int) -> bool:
-    """xgrammar's packed bitmask: bit (token % 32) of int32 word token // 32."""
-    if token < 0 or token // 32 >= bitmask_row.shape[-1]:
-        return False
-    return bool((int(bitmask_row[token // 32]) >> (token % 32)) & 1)
 
 
 def path_bitmask(grammar, path: Sequence[int], vocab_size: int) -> torch.Tensor | None:
