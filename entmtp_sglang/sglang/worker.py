@@ -526,7 +526,11 @@ class EntMtpWorker(EAGLEWorkerV2):
         try:
             cost = self.controller.ragged_step_cost(rows)
             seconds = cost(total, step.num_steps, rows)
-            per_token = cost(total + 1, step.num_steps, rows) - seconds
+            # a resting step is priced as the plain decode, which has no per-token term; its spans are verified
+            # tokens all the same, priced by the line's (else they ran at full length on every row: 8.8-token
+            # lookup spans at 19% acceptance on the resting steps of 16 requests)
+            per_token = (cost(total + 1, step.num_steps, rows) - seconds if step.num_steps > 0
+                         else cost(total + 1, 1, rows) - cost(total, 1, rows))
         except Exception:   # no cost to price by: spans at their full length
             return 0.0
         return token_threshold(per_token, seconds, rows, self.forced.tokens_per_row)
