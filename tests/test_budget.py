@@ -28,6 +28,7 @@ from entmtp_sglang.calibrate.ragged_cost import (
     RaggedStepCost,
     fit_ragged_cost,
     nonnegative_lstsq,
+    set_ragged_prior,
 )
 from entmtp_sglang.policy.budget import (
     BudgetConfig,
@@ -614,6 +615,50 @@ def test_a_fit_from_a_slow_stretch_is_forgotten_once_no_speculating_step_is_time
     assert online.cost(1, 0, 1) == pytest.approx(TRUE(1, 0, 1), rel=1e-6)   # the resting steps' own times stay
     with pytest.raises(ValueError, match="stale_refits"):
         OnlineRaggedCost(stale_refits=0)
+
+
+def test_without_a_prior_a_forgotten_fit_is_dropped_and_uncounted_steps_keep_the_clock():
+    """A server whose set has no ragged fit of its own: once the slow stretch's points are forgotten the fit is
+    dropped (None: the worker prices by the set's line again), not kept for the server's life; steps it cannot time
+    (a resting step whose rows took spans, observed as None) still count towards forgetting."""
+    online = OnlineRaggedCost(refit_every=16, stale_refits=2)
+    for p in [(12, 1, 8), (16, 2, 8), (20, 2, 8)]:
+        for _ in range(4):
+            online.observe(*p, 3 * TRUE(*p))
+    assert online.refit() is not None
+    refits = 0
+    while online.cost is not None:
+        for _ in range(online.refit_every):
+            online.observe(8, 0, 8, None)      # counted, not timed
+        online.refit()
+        refits += 1
+        assert refits <= 3, "the slow fit was never forgotten"
+    assert refits >= 2 and not online.times
+    # the prior of a server's own fit: the set's fit through SGLang where it has one
+    from types import SimpleNamespace
+    assert set_ragged_prior(SimpleNamespace(provenance={"ragged_step_cost": TRUE.to_json()})) == TRUE
+    assert set_ragged_prior(SimpleNamespace(provenance={})) is None
+
+
+def test_with_a_prior_a_few_points_scale_it_until_enough_are_measured():
+    """A serving worker's prior is the set's own fit: its first few points (timed while the machine is busy) scale
+    that line rather than fit four coefficients through three points; from `min_points` points on, the fit is
+    their own least-squares line."""
+    prior = TRUE.scaled(1.3)
+    online = OnlineRaggedCost(prior=prior, refit_every=8, min_points=8)
+    points = [(p, d, b) for b in (1, 4) for p, d in ((b + 1, 1), (b + 3, 2), (b + 5, 2), (b + 7, 3))]
+    for p in points[:3]:
+        for _ in range(2):
+            online.observe(*p, 2 * TRUE(*p))                   # busy: twice the true time
+    few = online.refit()
+    assert few(9, 2, 4) / prior(9, 2, 4) == pytest.approx(2 / 1.3, rel=1e-6)   # the prior's shape, scaled
+    assert few.per_token > 0 and few.per_level > 0
+    for p in points[3:]:
+        for _ in range(2):
+            online.observe(*p, TRUE(*p))
+    fitted = online.refit()
+    assert len({q for q in online.times if q[1] > 0}) == 8
+    assert fitted(9, 2, 4) != pytest.approx(few(9, 2, 4), rel=1e-3)     # their own line now
 
 
 def test_allocating_with_a_fitted_cost_equals_brute_force():

@@ -19,9 +19,11 @@ dropped, each point keeps its last `RECENT` times (priced by its fastest while f
 every `refit_every` steps `refit` fits again, forgetting a point not timed in the last `STALE_REFITS` refit periods:
 a fit from a slow stretch (a server timed while others started beside it: every speculating step 90 ms against a
 35 ms plain step) made the policy rest every step, so no speculating step was ever timed again to correct it; with
-its points forgotten the fit falls back to the prior, the policy speculates where it pays, and fresh times price
-it. The SGLang worker feeds it every ragged step and every resting step
-(`sglang/worker.py`), and the policy prices ragged steps by its fit once there is one.
+its points forgotten the fit falls back to the prior (None without one), the policy speculates where it pays, and
+fresh times price it. The SGLang worker feeds it every ragged step and every resting step, and counts the steps it
+cannot time as one or the other (a resting step whose rows took spans) so that forgetting runs on while the policy
+rests (`sglang/worker.py`); the prior is the tree set's own fit where it has one, and the policy prices ragged steps
+by this fit once there is one, by the set's line again when the fit is dropped.
 """
 
 from __future__ import annotations
@@ -37,6 +39,10 @@ import numpy as np
 
 RECENT = 32         # step times kept per (tokens, depth, batch) point, as online.RECENT
 MIN_POINTS = 3      # distinct speculating points before a fit replaces the scaled prior
+# ... for a serving worker with a prior (the set's own fit): its first points are few and often timed while the
+# machine is busy (other servers starting), and a least-squares line through 3 or 4 of them for 4 coefficients is
+# anything (80 ms flat and no per-token cost; 32 ms a level): the prior, scaled, until twice as many points
+PRIOR_MIN_POINTS = 8
 STALE_REFITS = 4    # refit periods after which a point not timed again is forgotten
 
 
@@ -139,10 +145,11 @@ def _medians(steps: Sequence[RaggedStep]) -> dict[tuple[int, int, int], tuple[fl
     return {p: (statistics.median(v), len(v)) for p, v in by_point.items()}
 
 
-def fit_ragged_cost(steps: Sequence[RaggedStep], prior: RaggedStepCost | None = None) -> RaggedStepCost:
+def fit_ragged_cost(steps: Sequence[RaggedStep], prior: RaggedStepCost | None = None,
+                    min_points: int = MIN_POINTS) -> RaggedStepCost:
     """The cost model of the timed `steps`:
 
-        speculating: per (tokens, depth, batch) point its median seconds; with >= MIN_POINTS distinct points,
+        speculating: per (tokens, depth, batch) point its median seconds; with >= min_points distinct points,
                      non-negative least squares on (1, tokens, depth, batch), weights sqrt(count); else the
                      prior's line scaled by the count-weighted mean of measured / prior (the prior's line alone
                      when none was measured)
@@ -150,18 +157,20 @@ def fit_ragged_cost(steps: Sequence[RaggedStep], prior: RaggedStepCost | None = 
                      through the per-row slope of the prior's plain regime (else the line's per_token + per_row);
                      none, the prior's plain regime
 
-    ValueError when fewer than MIN_POINTS speculating points were measured and there is no prior."""
+    ValueError when fewer than `min_points` (MIN_POINTS; at least that many) speculating points were measured and
+    there is no prior."""
+    min_points = max(min_points, MIN_POINTS)
     points = _medians(steps)
     spec = {p: v for p, v in points.items() if p[1] > 0}
     plain = {p: v for p, v in points.items() if p[1] == 0}
-    if len(spec) >= MIN_POINTS:
+    if len(spec) >= min_points:
         x = np.array([[1.0, *p] for p in spec], dtype=np.float64)
         y = np.array([s for s, _ in spec.values()], dtype=np.float64)
         w = np.sqrt(np.array([n for _, n in spec.values()], dtype=np.float64))
         base, per_token, per_level, per_row = nonnegative_lstsq(x, y, w).tolist()
         line = RaggedStepCost(base, per_token, per_level, per_row)
     elif prior is None:
-        raise ValueError(f"{len(spec)} distinct speculating step point(s) measured; a fit needs {MIN_POINTS} "
+        raise ValueError(f"{len(spec)} distinct speculating step point(s) measured; a fit needs {min_points} "
                          "(or a prior to scale)")
     elif spec:
         ratio = sum(s / prior.line(*p) * n for p, (s, n) in spec.items()) / sum(n for _, n in spec.values())
@@ -198,6 +207,7 @@ class OnlineRaggedCost:
     warm: set = field(default_factory=set)      # (depth, batch) shapes whose warm-up step was dropped
     last: dict = field(default_factory=dict)    # (tokens, depth, batch) -> the step count when it was last timed
     stale_refits: int = STALE_REFITS
+    min_points: int = MIN_POINTS   # distinct speculating points before a least-squares fit replaces the prior
 
     def __post_init__(self):
         if self.refit_every < 1 or self.recent < 1 or self.stale_refits < 1:
@@ -231,16 +241,26 @@ class OnlineRaggedCost:
                 for s in (times if len(times) >= ROBUST else [min(times)])]
 
     def refit(self) -> RaggedStepCost | None:
-        """The model fitted on the steps kept so far (the current one while too few were measured and there is
-        no prior); it becomes `cost`. A point not timed in the last `stale_refits` refit periods is forgotten
-        first (the module docstring)."""
+        """The model fitted on the steps kept so far, or None while too few speculating points are kept and
+        there is no prior; it becomes `cost`. A point not timed in the last `stale_refits` refit periods is
+        forgotten first (the module docstring): without a prior, a fit whose points are all forgotten is dropped
+        (None: the caller prices by its default again, the tree set's own line for the SGLang worker)."""
         self.refits += 1
         cutoff = self.steps - self.stale_refits * self.refit_every
         for p in [p for p, step in self.last.items() if step <= cutoff]:
             del self.times[p], self.last[p]
-        if self.prior is not None or sum(1 for p in self.times if p[1] > 0) >= MIN_POINTS:
-            self.cost = fit_ragged_cost(self.observed(), self.prior)
+        if self.prior is not None or sum(1 for p in self.times if p[1] > 0) >= self.min_points:
+            self.cost = fit_ragged_cost(self.observed(), self.prior, self.min_points)
+        else:   # too few points (never had them, or forgotten): no fit of this server's own; the caller's default
+            self.cost = None
         return self.cost
+
+
+def set_ragged_prior(tree_set) -> RaggedStepCost | None:
+    """The ragged step cost a tree set was calibrated with through SGLang (`provenance["ragged_step_cost"]`), the
+    prior of a server's own fit (`OnlineRaggedCost`); None for a set without one (priced per tree)."""
+    fitted = getattr(tree_set, "provenance", {}).get("ragged_step_cost")
+    return RaggedStepCost.from_json(fitted) if fitted else None
 
 
 def tree_set_cost(tree_set, batch_size: int) -> tuple[RaggedStepCost, int]:

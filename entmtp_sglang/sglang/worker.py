@@ -54,7 +54,7 @@ import time
 import torch
 
 from ..calibrate.online import OnlineCalibration
-from ..calibrate.ragged_cost import OnlineRaggedCost
+from ..calibrate.ragged_cost import MIN_POINTS, PRIOR_MIN_POINTS, OnlineRaggedCost, set_ragged_prior
 from ..policy.controller import RequestInput, TreeController
 from ..policy.signals import draft_signal, least_predictable, top_probs
 from ..tree.acceptance import AcceptancePredictor
@@ -180,7 +180,9 @@ class EntMtpWorker(EAGLEWorkerV2):
                       if self.config.online_costs and single and not online else None)
         # the cost of a ragged step (tokens verified, draft levels, rows) fitted on this server's own ragged and
         # resting steps; the policy prices ragged steps by it once fitted (the set's per-tree costs until then)
-        self.ragged_costs = (OnlineRaggedCost(refit_every=COST_REFIT_EVERY)
+        prior = set_ragged_prior(self.tree_set)
+        self.ragged_costs = (OnlineRaggedCost(prior=prior, refit_every=COST_REFIT_EVERY,
+                                              min_points=PRIOR_MIN_POINTS if prior is not None else MIN_POINTS)
                              if self.config.online_costs and single else None)
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
         self.telemetry = StepTelemetry(trace_path(os.environ.get(ENV_TREE_TRACE),
@@ -366,18 +368,25 @@ class EntMtpWorker(EAGLEWorkerV2):
         (`TreeController.set_ragged_cost`)."""
         step = self._step
         if step.resting and step.ragged is not None:   # a resting step whose rows took spans: neither the plain
-            return                                     # decode nor a drafting step the policy prices
-        if step.drafts:
+            # decode nor a drafting step the policy prices; counted all the same, so that a fit from a slow stretch
+            # is forgotten while the policy rests (a mixed batch's resting steps nearly all take spans: uncounted,
+            # a stale fit priced every step of a server's life, 2026-12-06)
+            self.ragged_costs.observe(rows, 0, rows, None)
+        elif step.drafts:
             tokens = step.ragged.total_tokens if step.ragged is not None else rows * step.num_nodes
             self.ragged_costs.observe(tokens, step.num_steps, rows, seconds)
         else:   # a resting or plain step: one token a row
             self.ragged_costs.observe(rows, 0, rows, seconds)
         rc = self.ragged_costs
         if rc.due():
+            had = self.controller.__dict__.get("ragged_cost") is not None
             cost = rc.refit()
+            self.controller.set_ragged_cost(cost)
             if cost is not None:
-                self.controller.set_ragged_cost(cost)
                 logger.info("ENTMTP ragged step cost timed in this server (%d steps): %s", rc.steps, cost.to_json())
+            elif had:
+                logger.info("ENTMTP ragged step cost: this server's timed points forgotten (none in the last %d "
+                            "steps); priced by the tree set's line again", rc.stale_refits * rc.refit_every)
 
     def _choose(self, batch) -> None:
         """The step's decision (step.py), made once: the rules that make a step rest (penalties, positions owed
