@@ -28,6 +28,7 @@ from entmtp_sglang.calibrate.ragged_cost import (
     RaggedStepCost,
     fit_ragged_cost,
     nonnegative_lstsq,
+    resting_seconds,
     set_ragged_prior,
 )
 from entmtp_sglang.policy.budget import (
@@ -659,6 +660,18 @@ def test_with_a_prior_a_few_points_scale_it_until_enough_are_measured():
     fitted = online.refit()
     assert len({q for q in online.times if q[1] > 0}) == 8
     assert fitted(9, 2, 4) != pytest.approx(few(9, 2, 4), rel=1e-3)     # their own line now
+
+
+def test_a_resting_step_with_spans_times_the_plain_step_it_would_have_been():
+    """Its span tokens come off at the line's per-token price; no price, or nothing left: not timed (None)."""
+    assert resting_seconds(0.060, 5, TRUE) == pytest.approx(0.060 - 5 * TRUE.per_token)
+    assert resting_seconds(0.060, 0, TRUE) == pytest.approx(0.060)
+    assert resting_seconds(0.060, 5, None) is None
+    assert resting_seconds(0.001, 5, TRUE) is None
+    online = OnlineRaggedCost(prior=TRUE, refit_every=4)
+    for _ in range(8):   # a mixed batch resting every step, each with spans: the plain regime is measured
+        online.observe(16, 0, 16, resting_seconds(0.050 + 4 * TRUE.per_token, 4, online.cost))
+    assert online.refit()(16, 0, 16) == pytest.approx(0.050)
 
 
 def test_allocating_with_a_fitted_cost_equals_brute_force():

@@ -54,7 +54,13 @@ import time
 import torch
 
 from ..calibrate.online import OnlineCalibration
-from ..calibrate.ragged_cost import MIN_POINTS, PRIOR_MIN_POINTS, OnlineRaggedCost, set_ragged_prior
+from ..calibrate.ragged_cost import (
+    MIN_POINTS,
+    PRIOR_MIN_POINTS,
+    OnlineRaggedCost,
+    resting_seconds,
+    set_ragged_prior,
+)
 from ..policy.controller import RequestInput, TreeController
 from ..policy.signals import draft_signal, least_predictable, top_probs
 from ..tree.acceptance import AcceptancePredictor
@@ -367,11 +373,13 @@ class EntMtpWorker(EAGLEWorkerV2):
         policy compares (ragged or not); at each refit the policy takes the new fit
         (`TreeController.set_ragged_cost`)."""
         step = self._step
-        if step.resting and step.ragged is not None:   # a resting step whose rows took spans: neither the plain
-            # decode nor a drafting step the policy prices; counted all the same, so that a fit from a slow stretch
-            # is forgotten while the policy rests (a mixed batch's resting steps nearly all take spans: uncounted,
-            # a stale fit priced every step of a server's life, 2026-12-06)
-            self.ragged_costs.observe(rows, 0, rows, None)
+        if step.resting and step.ragged is not None:   # a resting step whose rows took spans: timed as the plain
+            # step it would have been, its span tokens taken off at the fit's per-token price (`resting_seconds`),
+            # and counted in any case, so that a fit from a slow stretch is forgotten while the policy rests (a mixed
+            # batch's resting steps nearly all take spans: uncounted, a stale fit priced every step of a server's
+            # life; untimed, the plain regime stayed the set's prior, 2026-12-06)
+            self.ragged_costs.observe(rows, 0, rows, resting_seconds(seconds, step.ragged.total_tokens - rows,
+                                                                     self.ragged_costs.cost))
         elif step.drafts:
             tokens = step.ragged.total_tokens if step.ragged is not None else rows * step.num_nodes
             self.ragged_costs.observe(tokens, step.num_steps, rows, seconds)
