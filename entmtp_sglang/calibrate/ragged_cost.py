@@ -20,10 +20,11 @@ every `refit_every` steps `refit` fits again, forgetting a point not timed in th
 a fit from a slow stretch (a server timed while others started beside it: every speculating step 90 ms against a
 35 ms plain step) made the policy rest every step, so no speculating step was ever timed again to correct it; with
 its points forgotten the fit falls back to the prior (None without one), the policy speculates where it pays, and
-fresh times price it. The SGLang worker feeds it every ragged step and every resting step, and counts the steps it
-cannot time as one or the other (a resting step whose rows took spans) so that forgetting runs on while the policy
-rests (`sglang/worker.py`); the prior is the tree set's own fit where it has one, and the policy prices ragged steps
-by this fit once there is one, by the set's line again when the fit is dropped.
+fresh times price it. The SGLang worker feeds it every ragged step and every resting step, a resting step whose
+rows took spans timed as the plain step it would have been (`resting_seconds`), so that the plain regime is measured
+and forgetting runs on while the policy rests (`sglang/worker.py`); the prior is the tree set's own fit where it has
+one (`set_ragged_prior`), and the policy prices ragged steps by this fit once there is one, by the set's line again
+when the fit is dropped.
 """
 
 from __future__ import annotations
@@ -282,9 +283,9 @@ def tree_set_cost(tree_set, batch_size: int) -> tuple[RaggedStepCost, int]:
     tokens; with fewer than MIN_POINTS speculating points, a line through the origin at the dearest per token. A set
     calibrated through SGLang with ragged steps (`provenance["ragged_step_cost"]`, through_sglang.ragged_cost)
     gives that fit itself, at `batch_size`."""
-    fitted = tree_set.provenance.get("ragged_step_cost")
-    if fitted:
-        return RaggedStepCost.from_json(fitted), max(1, batch_size)
+    fitted = set_ragged_prior(tree_set)
+    if fitted is not None:
+        return fitted, max(1, batch_size)
     entries = tree_set.trees
     m = min({b for e in entries for b in e.cost_seconds},
             key=lambda b: abs(math.log(b) - math.log(max(1, batch_size))))

@@ -387,7 +387,7 @@ class EntMtpWorker(EAGLEWorkerV2):
             self.ragged_costs.observe(rows, 0, rows, seconds)
         rc = self.ragged_costs
         if rc.due():
-            had = self.controller.__dict__.get("ragged_cost") is not None
+            had = rc.cost is not None
             cost = rc.refit()
             self.controller.set_ragged_cost(cost)
             if cost is not None:
