@@ -2,7 +2,7 @@
 installed, SGLang's EAGLE (the static grid) and `--speculative-adaptive`, on SmolLM2-135M-Instruct on this CPU.
 
     .venv/bin/python bench/sglang_speed.py                  # about 25 minutes; writes bench/results/sglang_speed.*
-    .venv/bin/python bench/sglang_speed.py --render bench/results/sglang_speed.jsonl   # the table again, no servers
+    .venv/bin/python bench/sglang_speed.py --render bench/results/sglang_speed.jsonl.gz  # the table again, no servers
     .venv/bin/python bench/sglang_speed.py --tasks code --batches 1 --per-task 2 --max-new-tokens 8 --repeats 1
         --systems plain,entmtp --out /tmp/smoke      # a smoke run (a few minutes): stock, plain and ENTMTP, code
 

@@ -8,6 +8,7 @@ step (engine/forced.py) and SGLang's worker (sglang/forced_draft.py) wire them i
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 from dataclasses import dataclass
@@ -265,13 +266,23 @@ class SpanEnds:
         self.emitted: Counter = Counter()   # tokens emitted over all requests (`RequestSpanEnds.sync`)
         self._ext: dict[int, tuple[int, ...]] = {}
         self._sets: dict[int, frozenset] = {}
+        self._order: list[int] | None = None   # token ids by piece (built on first use), and their pieces
+        self._sorted: list[str] = []
 
     def extensions(self, token: int) -> tuple[int, ...]:
-        """The tokens whose piece starts with `token`'s and is longer (cached per token)."""
+        """The tokens whose piece starts with `token`'s and is longer, by id (cached per token). The pieces that
+        start with a string are one run of the sorted pieces: two bisections, not a scan of the vocabulary."""
         out = self._ext.get(token)
         if out is None:
             head = self.pieces[token] if 0 <= token < len(self.pieces) else ""
-            out = tuple(u for u, p in enumerate(self.pieces) if head and len(p) > len(head) and p.startswith(head))
+            out = ()
+            if head:
+                if self._order is None:
+                    self._order = sorted(range(len(self.pieces)), key=self.pieces.__getitem__)
+                    self._sorted = [self.pieces[u] for u in self._order]
+                lo = bisect.bisect_right(self._sorted, head)   # past the pieces equal to head
+                hi = bisect.bisect_left(self._sorted, head + "\U0010ffff", lo)
+                out = tuple(sorted(u for u in self._order[lo:hi] if len(self.pieces[u]) > len(head)))
             self._ext[token] = out
         return out
 

@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -41,6 +42,7 @@ inline vec vzero() { return _mm512_setzero_ps(); }
 inline vec vload(const float* p) { return _mm512_loadu_ps(p); }
 inline vec vbroadcast(const float* p) { return _mm512_set1_ps(*p); }
 inline vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vput(float* p, vec v) { _mm512_storeu_ps(p, v); }
 inline void vstore(float* p, vec v, const float* bias, int64_t n) {
   if (n >= LANES) {
     if (bias) v = _mm512_add_ps(v, _mm512_loadu_ps(bias));
@@ -65,6 +67,7 @@ inline vec vzero() { return _mm256_setzero_ps(); }
 inline vec vload(const float* p) { return _mm256_loadu_ps(p); }
 inline vec vbroadcast(const float* p) { return _mm256_broadcast_ss(p); }
 inline vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vput(float* p, vec v) { _mm256_storeu_ps(p, v); }
 inline void vstore(float* p, vec v, const float* bias, int64_t n) {
   alignas(32) float t[8];
   _mm256_store_ps(t, v);
@@ -96,6 +99,9 @@ inline vec vfma(vec a, vec b, vec c) {
   for (int i = 0; i < 8; ++i) c.v[i] = __builtin_fmaf(a.v[i], b.v[i], c.v[i]);
   return c;
 }
+inline void vput(float* p, vec v) {
+  for (int i = 0; i < 8; ++i) p[i] = v.v[i];
+}
 inline void vstore(float* p, vec v, const float* bias, int64_t n) {
   for (int64_t i = 0; i < std::min<int64_t>(n, LANES); ++i) p[i] = bias ? v.v[i] + bias[i] : v.v[i];
 }
@@ -106,6 +112,11 @@ namespace {
 
 constexpr int64_t BW = 2 * LANES;  // output features per packed block (two vectors)
 constexpr int64_t PREFETCH_K = 16;  // the first row tile prefetches the block this many k steps ahead
+// More rows than one tile holds: k in chunks of KC, every tile of rows over one chunk before the next, each
+// tile's chains carried from chunk to chunk in memory (the same fused multiply-adds in the same k order, so the
+// same bits). A pair's chunk (KC x 2 BW floats, 32 KB on AVX-512) then comes from memory for the first tile and
+// from L1 for the others, where whole blocks (147-393 KB on SmolLM2) came from L2 for every tile.
+constexpr int64_t KC = 128;
 
 // NR rows against NB consecutive blocks (NB * BW features, `valid` of them real).
 template <int NR, int NB>
@@ -136,6 +147,49 @@ inline void tile(const float* x, int64_t ldx, const float* wp, int64_t K, float*
       vstore(y + r * ldy + j * LANES, acc[r][j], bias ? bias + j * LANES : nullptr, valid - j * LANES);
 }
 
+// NR rows against NB blocks over k in [k0, k1): the chains start from `part` (NR x 2 NB vectors; from zero when k0
+// is 0) and go back to it, or, when k1 is K, to y (+ bias).
+template <int NR, int NB>
+inline void tile_part(const float* x, int64_t ldx, const float* wp, int64_t K, int64_t k0, int64_t k1, float* part,
+                      float* y, int64_t ldy, const float* bias, int64_t valid, bool prefetch) {
+  vec acc[NR][2 * NB];
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < 2 * NB; ++j) acc[r][j] = k0 ? vload(part + (r * 2 * NB + j) * LANES) : vzero();
+  const int64_t block = K * BW;
+  for (int64_t k = k0; k < k1; ++k) {
+    vec w[2 * NB];
+    for (int b = 0; b < NB; ++b) {
+      const float* p = wp + b * block + k * BW;
+      w[2 * b] = vload(p);
+      w[2 * b + 1] = vload(p + LANES);
+      if (prefetch) {
+        __builtin_prefetch(p + PREFETCH_K * BW, 0, 3);
+        if (BW * 4 > 64) __builtin_prefetch(p + PREFETCH_K * BW + 16, 0, 3);
+      }
+    }
+    for (int r = 0; r < NR; ++r) {
+      const vec xv = vbroadcast(x + r * ldx + k);
+      for (int j = 0; j < 2 * NB; ++j) acc[r][j] = vfma(xv, w[j], acc[r][j]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int j = 0; j < 2 * NB; ++j) {
+      if (k1 == K)
+        vstore(y + r * ldy + j * LANES, acc[r][j], bias ? bias + j * LANES : nullptr, valid - j * LANES);
+      else
+        vput(part + (r * 2 * NB + j) * LANES, acc[r][j]);
+    }
+}
+
+template <int NB, int NR>
+inline void rest_part(const float* x, int64_t ldx, int64_t left, const float* wp, int64_t K, int64_t k0, int64_t k1,
+                      float* part, float* y, int64_t ldy, const float* bias, int64_t valid, bool prefetch) {
+  if constexpr (NR > 0) {
+    if (left == NR) return tile_part<NR, NB>(x, ldx, wp, K, k0, k1, part, y, ldy, bias, valid, prefetch);
+    rest_part<NB, NR - 1>(x, ldx, left, wp, K, k0, k1, part, y, ldy, bias, valid, prefetch);
+  }
+}
+
 template <int NB, int NR>
 inline void rest(const float* x, int64_t ldx, int64_t left, const float* wp, int64_t K, float* y, int64_t ldy,
                  const float* bias, int64_t valid, bool prefetch) {
@@ -158,13 +212,18 @@ inline void rows(const float* x, int64_t ldx, int64_t R, const float* wp, int64_
 
 // Every row against a pair of blocks: all rows in one tile up to PAIR_ONE, else tiles of PAIR_TILE (the first
 // reads the pair from memory, the others from L2).
+// `part`: room for R rows' chains (R x 4 vectors).
 inline void pair_rows(const float* x, int64_t ldx, int64_t R, const float* wp, int64_t K, float* y, int64_t ldy,
-                      const float* bias, int64_t valid) {
+                      const float* bias, int64_t valid, float* part) {
   if (R <= PAIR_ONE) return rest<2, PAIR_ONE>(x, ldx, R, wp, K, y, ldy, bias, valid, true);
-  bool prefetch = true;
-  for (int64_t r = 0; r < R; r += PAIR_TILE, prefetch = false) {
-    const int64_t n = std::min<int64_t>(PAIR_TILE, R - r);
-    rest<2, PAIR_TILE>(x + r * ldx, ldx, n, wp, K, y + r * ldy, ldy, bias, valid, prefetch);
+  for (int64_t k0 = 0; k0 < K; k0 += KC) {
+    const int64_t k1 = std::min<int64_t>(K, k0 + KC);
+    bool prefetch = true;
+    for (int64_t r = 0; r < R; r += PAIR_TILE, prefetch = false) {
+      const int64_t n = std::min<int64_t>(PAIR_TILE, R - r);
+      rest_part<2, PAIR_TILE>(x + r * ldx, ldx, n, wp, K, k0, k1, part + r * 4 * LANES, y + r * ldy, ldy, bias,
+                              valid, prefetch);
+    }
   }
 }
 
@@ -212,10 +271,11 @@ at::Tensor fewrow_linear(const at::Tensor& x, const at::Tensor& packed, const st
   const int64_t ldx = x.stride(0);
   at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
     int64_t i = b0;
+    std::vector<float> part(R > PAIR_ONE ? R * 4 * LANES : 0);
     if (R <= PAIR_ONE || PAIR_TILE > 1)  // two blocks at once where the registers allow (see PAIR_ONE)
       for (; i + 2 <= b1; i += 2)
         pair_rows(xp, ldx, R, wp + i * K * BW, K, yp + i * BW, N, b ? b + i * BW : nullptr,
-                  std::min<int64_t>(2 * BW, N - i * BW));
+                  std::min<int64_t>(2 * BW, N - i * BW), part.data());
     for (; i < b1; ++i)  // a block left over: one block at a time, in tiles of NR_MAX
       rows<1>(xp, ldx, R, wp + i * K * BW, K, yp + i * BW, N, b ? b + i * BW : nullptr,
               std::min<int64_t>(BW, N - i * BW));

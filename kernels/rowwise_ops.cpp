@@ -17,8 +17,10 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 namespace {
@@ -87,7 +89,31 @@ std::tuple<at::Tensor, at::Tensor> add_rmsnorm(const at::Tensor& x, const at::Te
   return {out, sum};
 }
 
-// out = silu(x[..., :d]) * x[..., d:], silu(a) = a / (1 + exp(-a)), per row.
+// exp(x) as Cephes' expf computes it: n = round(x log2(e)) (by the 1.5 * 2^23 rounding constant), r = x - n ln(2)
+// in two parts, exp(r) = 1 + r + r^2 P(r) (degree 5), times 2^n built in the exponent bits; x clamped to [-87, 88]
+// (exp(88) is finite, 2^-126 normal). Within 2 ulp of the true exp; only IEEE operations and integer bit moves, no
+// libm call, so the loops below vectorize (std::exp did not: a scalar call per element, 10x the cost at 16 rows).
+inline float exp_cephes(float x) {
+  x = std::min(std::max(x, -87.0f), 88.0f);
+  const float t = std::fma(x, 1.44269504088896341f, 12582912.0f);
+  const float n = t - 12582912.0f;
+  float r = std::fma(n, -0.693359375f, x);
+  r = std::fma(n, 2.12194440e-4f, r);
+  float p = std::fma(1.9875691500e-4f, r, 1.3981999507e-3f);
+  p = std::fma(p, r, 8.3334519073e-3f);
+  p = std::fma(p, r, 4.1665795894e-2f);
+  p = std::fma(p, r, 1.6666665459e-1f);
+  p = std::fma(p, r, 5.0000001201e-1f);
+  const float y = std::fma(p, r * r, r) + 1.0f;
+  int32_t bits;
+  std::memcpy(&bits, &t, sizeof bits);
+  const int32_t e = (bits - 0x4B400000 + 127) << 23;  // t's low bits hold n
+  float scale;
+  std::memcpy(&scale, &e, sizeof scale);
+  return y * scale;
+}
+
+// out = silu(x[..., :d]) * x[..., d:], silu(a) = a / (1 + exp(-a)) (exp_cephes), per row.
 at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() >= 1 && x.size(-1) % 2 == 0, "silu_and_mul: the last dimension must be even, got ", x.sizes());
   const int64_t two_d = x.size(-1), d = two_d / 2;
@@ -102,7 +128,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
     for (int64_t r = r0; r < r1; ++r) {
       const float *a = xp + r * two_d, *b = a + d;
       float* o = op + r * d;
-      for (int64_t k = 0; k < d; ++k) o[k] = (a[k] / (1.0f + std::exp(-a[k]))) * b[k];
+      for (int64_t k = 0; k < d; ++k) o[k] = (a[k] / (1.0f + exp_cephes(-a[k]))) * b[k];
     }
   });
   return out;

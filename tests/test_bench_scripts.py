@@ -318,7 +318,7 @@ def test_the_mixed_batch_takes_the_tasks_in_turn_and_reports_each_kinds_trees(tm
     assert "| entmtp | 4 | json | 4 | 4.50 | 2.00 | 0% | b3n3d2 2, b1n6d2 2 |" in table, table
     assert "| entmtp | 4 | chat | 4 | 1.25 | 0.25 | 75% | rest 3, b0n2d1 1 |" in table, table
     write([row, plain], tmp_path, {"run": 1}, name="run")
-    back = {r.system: r for r in rows_from_jsonl(tmp_path / "run.jsonl")}
+    back = {r.system: r for r in rows_from_jsonl(tmp_path / "run.jsonl.gz")}
     assert back["entmtp"].trees_by_label == row.trees_by_label and back["plain-stock"].trees_by_label == {}
     assert "Inside the mixed batch" in speed.tables(list(back.values()))
 
@@ -350,7 +350,7 @@ def test_forced_spans_and_the_compact_layout_in_the_product_table(tmp_path):
     assert mixed["entmtp"].forced == [15, 60, 40] and mixed["entmtp"].tokens == 200    # compact rows left out
     assert mixed["entmtp"].lookup == [4, 20, 5]
     write(rows, tmp_path, {"run": 1}, name="run")
-    back = rows_from_jsonl(tmp_path / "run.jsonl")
+    back = rows_from_jsonl(tmp_path / "run.jsonl.gz")
     assert [(r.forced, r.lookup) for r in back] == [(r.forced, r.lookup) for r in rows]
     text = speed.tables(back + list(mixed.values()))
     assert "forced spans |" in text.splitlines()[2]

@@ -37,6 +37,19 @@ def test_every_row_is_bit_identical_alone_and_among_1_to_16_rows(out_features, i
         assert torch.equal(FR.fewrow_linear_packed(x[perm], p), alone[perm])
 
 
+@pytest.mark.parametrize("out_features,in_features", [(576, 576), (3072, 576), (576, 1536), (100, 300), (33, 129)])
+def test_many_rows_carry_their_chains_across_k_chunks_bit_for_bit(out_features, in_features):
+    """Past one tile of rows the sum over k runs in chunks, every tile over a chunk before the next (the chunk stays
+    in L1): each row still gets the bits it gets alone, with a bias, for in_features on and off a chunk's edge."""
+    x, w, b = _data(out_features, in_features, 45, seed=in_features, bias=True)
+    p = FR.pack(w)
+    with torch.no_grad():
+        alone = torch.cat([FR.fewrow_linear_packed(x[i:i + 1], p, b) for i in range(45)])
+        for rows in (9, 12, 13, 24, 31, 45):
+            assert torch.equal(FR.fewrow_linear_packed(x[:rows], p, b), alone[:rows]), rows
+    torch.testing.assert_close(alone, FR.fewrow_linear_torch(x, w, b), rtol=1e-5, atol=1e-5 * in_features ** 0.5)
+
+
 @pytest.mark.parametrize("out_features,in_features", SMOLLM2)
 @pytest.mark.parametrize("rows", [1, 3, 8, 16])
 def test_agrees_with_the_reference_within_float32_rounding(out_features, in_features, rows):

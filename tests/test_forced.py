@@ -153,6 +153,25 @@ def test_a_span_ends_in_the_token_the_model_writes_there_joined_to_what_follows(
     assert span(g, None) == ["gh", "x"]                                    # the matcher as found
 
 
+def test_span_ends_extensions_equal_a_scan_of_the_whole_vocabulary():
+    """`SpanEnds.extensions` bisects the sorted pieces: on the bundled tokenizer's whole vocabulary (byte-level
+    pieces, duplicates and empty strings included) it gives exactly the tokens a scan finds, in id order."""
+    import random
+
+    from tokenizers import Tokenizer
+
+    from entmtp_sglang.forced_spans import SpanEnds
+
+    tok = Tokenizer.from_file(str(BUNDLED_MODEL / "tokenizer.json"))
+    pieces = [tok.id_to_token(i) or "" for i in range(tok.get_vocab_size())] + ["ab", "", "a"]
+    ends = SpanEnds(pieces)
+    rng = random.Random(0)
+    for u in [*rng.sample(range(len(pieces)), 300), *range(len(pieces) - 3, len(pieces))]:
+        head = pieces[u]
+        scan = tuple(v for v, p in enumerate(pieces) if head and len(p) > len(head) and p.startswith(head))
+        assert ends.extensions(u) == scan, head
+
+
 def test_the_only_legal_token_read_off_the_packed_mask_equals_the_unpacked_one():
     """`_only_legal` (one nonzero word with one bit) against unpacking the whole bitmask, on random masks with
     none, one or several bits, bit 31 and bits past the vocabulary included."""

@@ -50,6 +50,17 @@ def test_silu_and_mul_agrees_with_the_reference_and_is_batch_invariant(d, rows):
         assert torch.equal(R.silu_and_mul(x[i:i + 1].clone()), y[i:i + 1])
 
 
+def test_silu_and_mul_over_the_whole_float_range_of_its_exp():
+    """The op's own exp (Cephes' polynomial, clamped to [-87, 88]) against float64 silu, from where exp(-a)
+    overflows a float to where it underflows, and zero."""
+    a = torch.cat([torch.linspace(-120, 120, 4001), torch.tensor([0.0, -0.0, 1e-30, -1e-30, 87.0, -87.0, 88.5])])
+    x = torch.cat([a, torch.full_like(a, 1.5)]).view(1, -1)
+    y = R.silu_and_mul(x)[0].double()
+    ref = R.silu_and_mul_torch(x.double())[0]
+    assert torch.isfinite(y).all()
+    torch.testing.assert_close(y, ref, rtol=4e-7, atol=1e-30)
+
+
 def _cache(max_pos, rotary_dim, base=100000.0):
     inv = 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
     f = torch.einsum("i,j->ij", torch.arange(max_pos, dtype=torch.float), inv)

@@ -66,7 +66,7 @@ def test_the_paired_ratio_follows_each_repeat_and_the_table_can_be_drawn_again(t
     assert b.paired_ratio(by["entmtp"], by["plain"]) is None
     by["plain"].repeat_tokens_per_s = [10, 40, 50]
     b.write(med, tmp_path, {"model": "test"}, name="run")
-    assert b.to_markdown(b.rows_from_jsonl(tmp_path / "run.jsonl")) == table
+    assert b.to_markdown(b.rows_from_jsonl(tmp_path / "run.jsonl.gz")) == table
 
 
 class _Server:

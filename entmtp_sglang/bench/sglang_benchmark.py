@@ -35,6 +35,7 @@ from __future__ import annotations
 import atexit
 import collections
 import concurrent.futures as cf
+import gzip
 import json
 import platform
 import statistics
@@ -559,9 +560,11 @@ def versus(rows: list[Row], subject: str, others: dict[str, list[str]], baseline
 
 
 def rows_from_jsonl(path: Path) -> list[Row]:
-    """The rows a run wrote with `write` (its Markdown can be drawn again from them)."""
+    """The rows a run wrote with `write` (its Markdown can be drawn again from them); `.jsonl` or `.jsonl.gz`."""
+    path = Path(path)
+    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     out = []
-    for line in Path(path).read_text().splitlines():
+    for line in text.splitlines():
         d = json.loads(line)
         if "system" not in d:
             continue
@@ -577,7 +580,8 @@ def rows_from_jsonl(path: Path) -> list[Row]:
 def write(rows: list[Row], out_dir: Path, config: dict, name: str = "sglang_cpu") -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     meta = {**config, **machine()}
-    with open(out_dir / f"{name}.jsonl", "w") as f:
+    # gzipped: every line repeats the run's configuration, and the repository's tracked files have a size limit
+    with gzip.open(out_dir / f"{name}.jsonl.gz", "wt") as f:
         for r in rows:
             f.write(json.dumps({**meta, "task": r.task, "system": r.system, "batch": r.batch, "tokens": r.tokens,
                                 "seconds": round(r.seconds, 3), "tokens_per_s": round(r.tokens_per_s, 2),

@@ -192,10 +192,7 @@ class Attention(nn.Module):
             cache.write(layer, start, k, v)
             k, v = cache.k[layer], cache.v[layer]  # (B, n_kv, C, hd); the mask covers slots [0, S)
         if mask is None:  # causal self-attention over the new tokens alone (no cache)
-            if self.n_kv != self.n_heads:
-                rep = self.n_heads // self.n_kv
-                k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         else:
             y = tree_attention(q, k, v, mask, backend=self.backend)  # (B, nh, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
