@@ -92,12 +92,15 @@ ENTMTP_NO_REST_SPANS = SystemSpec("entmtp-no-rest-spans", "ENTMTP", env=(("ENTMT
 # grammar spans ending in their text's last token as the tokenizer spells it, not in the token the model writes there
 # joined to what follows (forced_spans.SpanEnds): an ablation, not run unless named
 ENTMTP_NO_SPAN_ENDS = SystemSpec("entmtp-no-span-ends", "ENTMTP", env=(("ENTMTP_SPAN_ENDS", "0"),))
+# without the guard that rests a batch size where speculating steps delivered fewer tokens per second than resting
+# ones (policy/guard.py): an ablation, not run unless named
+ENTMTP_NO_GUARD = SystemSpec("entmtp-no-guard", "ENTMTP", env=(("ENTMTP_GUARD", "0"),))
 # ENTMTP with the EAGLE-3 drafter trained on fixed data (models/<model>/eagle3/, issue 38), where the model has one
 ENTMTP_EAGLE3 = SystemSpec("entmtp-eagle3", "ENTMTP", draft="eagle3")
 # stock and plain in every wave; ENTMTP's wave first, beside adaptive
 SYSTEMS = (STOCK, PLAIN, ENTMTP, *EAGLE_SGLANG_LAYERS)
 OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED, ENTMTP_NO_LOOKUP, ENTMTP_NO_REST_SPANS,
-            ENTMTP_LOOKUP_CONSTRAINED, ENTMTP_NO_SPAN_ENDS)
+            ENTMTP_LOOKUP_CONSTRAINED, ENTMTP_NO_SPAN_ENDS, ENTMTP_NO_GUARD)
 EVERY_WAVE = (STOCK.name, PLAIN.name)
 DEFAULT = tuple(s.name for s in SYSTEMS)
 AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB

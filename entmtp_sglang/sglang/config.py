@@ -20,6 +20,8 @@ the steps this server times (the set's costs are the prior; `ENTMTP_ONLINE_COSTS
 turns off the grammar-masked entropy and drafts of constrained requests (on by default; needs the overlap
 scheduler off, as on CPU). `ENTMTP_PER_ROW_TREES=0` goes back to one tree for the whole batch (by default each
 request drafts its own tree at a node count and depth the batch shares; policy/budget.py `allocate_shared`).
+`ENTMTP_GUARD=0` turns off the guard that rests a batch size where this server's speculating steps emitted fewer
+tokens per second than its resting ones (policy/guard.py; on by default, single rank, not while recording).
 `ENTMTP_POLICY` picks how trees are scored: `entmtp` (default: the set's per-node
 acceptance predictor when it carries one, else its signal bins), `entmtp-bins` or `entmtp-predictor`.
 """
@@ -47,6 +49,7 @@ ENV_PROFILE = "ENTMTP_PROFILE"         # a file: seconds per stage of every deco
 ENV_TREE_TRACE = "ENTMTP_TREE_TRACE"   # a directory: each rank appends its tree per decode step (debugging)
 ENV_MAX_REST = "ENTMTP_MAX_REST"       # the longest run of steps without the drafter after backing off
 ENV_PER_ROW = "ENTMTP_PER_ROW_TREES"   # "0": one tree for the whole batch (default: each request its own tree)
+ENV_GUARD = "ENTMTP_GUARD"             # "0": no rests forced where speculation delivered less (policy/guard.py)
 PIN_KEY = "entmtp_tree"   # sampling_params.custom_params key pinning a tree of the set
 
 
@@ -130,6 +133,7 @@ class EntMtpConfig:
     generic_topk: int = 2
     max_rest: int = SGLANG_MAX_REST  # ENTMTP_MAX_REST: steps without the drafter after a back-off (1, 2, 4, ...)
     per_row: bool = True            # ENTMTP_PER_ROW_TREES: each request its own tree at a shape the batch shares
+    guard: bool = True              # ENTMTP_GUARD: rest a batch size where speculating steps delivered less
 
     def __post_init__(self):
         if self.policy not in SERVER_POLICIES:
@@ -160,7 +164,8 @@ class EntMtpConfig:
                    force=_flag(ENV_FORCE), record_path=Path(record) if record else None, online=_flag(ENV_ONLINE),
                    online_costs=_flag(ENV_ONLINE_COSTS, "1"),
                    generic_depth=int(steps) if steps else 4, generic_topk=int(topk) if topk else 2,
-                   max_rest=_int(ENV_MAX_REST, SGLANG_MAX_REST), per_row=_flag(ENV_PER_ROW, "1"))
+                   max_rest=_int(ENV_MAX_REST, SGLANG_MAX_REST), per_row=_flag(ENV_PER_ROW, "1"),
+                   guard=_flag(ENV_GUARD, "1"))
 
     @property
     def uncalibrated(self) -> bool:

@@ -62,6 +62,7 @@ from ..calibrate.ragged_cost import (
     set_ragged_prior,
 )
 from ..policy.controller import RequestInput, TreeController
+from ..policy.guard import SpeculationGuard
 from ..policy.signals import draft_signal, least_predictable, top_probs
 from ..tree.acceptance import AcceptancePredictor
 from . import grammar_draft, observe, visibility
@@ -190,6 +191,10 @@ class EntMtpWorker(EAGLEWorkerV2):
         self.ragged_costs = (OnlineRaggedCost(prior=prior, refit_every=COST_REFIT_EVERY,
                                               min_points=PRIOR_MIN_POINTS if prior is not None else MIN_POINTS)
                              if self.config.online_costs and single else None)
+        # speculation judged by what it delivered (policy/guard.py): a batch size where this server's speculating
+        # steps emitted fewer tokens per second than its resting ones rests (the step-cost model can be wrong)
+        self.guard = (SpeculationGuard() if self.config.guard and single and self.observer is None else None)
+        self._guard_step: tuple | None = None   # (rows, resting, seconds) of the step whose tokens are not counted yet
         self._grammars: dict[int, object] = {}            # batch row -> grammar object, this step
         self.telemetry = StepTelemetry(trace_path(os.environ.get(ENV_TREE_TRACE),
                                                   getattr(get_parallel(), "tp_rank", 0)),
@@ -319,6 +324,7 @@ class EntMtpWorker(EAGLEWorkerV2):
             else:
                 self._choose(batch)
         self._last_extend = None
+        self._guard_observe(None)   # a step whose accepted counts never came: one token a row
         start = time.perf_counter()
         try:
             out = super().forward_batch_generation(batch, *args, **kwargs)
@@ -335,6 +341,8 @@ class EntMtpWorker(EAGLEWorkerV2):
                     self._time_step(len(batch.reqs), seconds)   # (a ragged step is not its shape tree's full step)
                 if self.ragged_costs is not None:
                     self._time_ragged(len(batch.reqs), seconds)
+                if self.guard is not None:   # observed once the scheduler reports what it accepted
+                    self._guard_step = (len(batch.reqs), self._step.resting, seconds)
             except Exception:   # timing must never fail a request: the server keeps the costs it has
                 logger.exception("ENTMTP: timing a step failed; online step costs stop")
                 self.costs = self.ragged_costs = None
@@ -392,6 +400,9 @@ class EntMtpWorker(EAGLEWorkerV2):
             self.controller.set_ragged_cost(cost)
             if cost is not None:
                 logger.info("ENTMTP ragged step cost timed in this server (%d steps): %s", rc.steps, cost.to_json())
+            if self.guard is not None:
+                logger.info("ENTMTP delivered tokens/s by batch size, speculating vs resting (rests forced): %s",
+                            self.guard.summary())
             elif had:
                 logger.info("ENTMTP ragged step cost: this server's timed points forgotten (none in the last %d "
                             "steps); priced by the tree set's line again", rc.stale_refits * rc.refit_every)
@@ -432,6 +443,12 @@ class EntMtpWorker(EAGLEWorkerV2):
             choice = None
         step = lay_out(choice, len(reqs), self.plans, self.indices, self.shape_index, self._index_by_name,
                        resting=rest, device=batch.seq_lens.device)
+        if (self.guard is not None and not step.resting and choice is not None
+                and not any(self._pin(r) for r in reqs) and self.guard.force_rest(len(reqs))):
+            for r in reqs:   # the chosen trees do not run: no acceptance feedback for them
+                self.controller.record(r.rid, None)
+            step = lay_out(None, len(reqs), self.plans, self.indices, self.shape_index, self._index_by_name,
+                           resting=True, device=batch.seq_lens.device)
         self._apply(batch, step, h)
 
     def _apply(self, batch, step: StepDecision, h: float) -> None:
@@ -736,6 +753,13 @@ class EntMtpWorker(EAGLEWorkerV2):
                 self.signals[r.rid], self.probs[r.rid] = masked
             self._grammars[i] = g
 
+    def _guard_observe(self, tokens: int | None) -> None:
+        """The last timed step into the guard, with the tokens it emitted (None: unknown, one a row)."""
+        pending, self._guard_step = self._guard_step, None
+        if pending is not None and self.guard is not None:
+            rows, resting, seconds = pending
+            self.guard.observe(rows, resting, rows if tokens is None else tokens, seconds)
+
     def _room(self, req) -> int:
         """KV positions left before the context limit: every node of a tree takes one while verifying."""
         ctx = self.target_worker.model_config.context_len
@@ -747,6 +771,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         forced, self._forced_step = self._forced_step, None
         if len(reqs) == len(num_correct_drafts_per_req):
             counts = [int(n) for n in num_correct_drafts_per_req]
+            self._guard_observe(sum(counts) + len(counts))   # the drafts accepted and each row's own token
             fed = ForcedDraft.policy_counts(forced, counts) if forced is not None else counts
             if self.forced is not None and self._step.drafts:
                 self.forced.observe(counts)
