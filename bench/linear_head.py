@@ -1,5 +1,5 @@
 """How fast are the CPU linear paths? `F.linear`, oneDNN on a packed weight (padded to 6 rows) and the few-row
-kernel (`kernels/fewrow_linear.cpp`), side by side in one run, for each of SmolLM2's weight shapes at 1-16 rows, for
+kernel (`kernels/fewrow_linear.cpp`), side by side in one run, for each of SmolLM2's weight shapes at 1-24 rows, for
 all of SmolLM2's linear layers at once (every layer's own weights: the memory a real step reads), and for whole
 decoding steps of the reference engine (plain decoding and chains of 1-4 EAGLE drafts) on each path.
 
@@ -30,7 +30,7 @@ from entmtp_sglang.model.prepare import resolve_model
 from entmtp_sglang.tree import Tree
 
 ROOT = Path(__file__).resolve().parent.parent
-ROWS = (1, 2, 4, 6, 8, 16)
+ROWS = (1, 2, 4, 6, 8, 12, 16, 24)   # past 8 rows: a verify over a tree with spans, a batch of 12-24 requests
 
 
 def median_ms(fn, repeats: int) -> float:
