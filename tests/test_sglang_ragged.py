@@ -104,13 +104,15 @@ def test_a_penalised_request_rests_beside_drafting_ones_and_equals_plain(servers
 
 
 def test_requests_joining_and_leaving_mid_run_equal_plain(servers):
-    """A stream of six requests of different lengths: three start together; the other three are sent once the
-    trace shows the first three decoding, so they join a running batch; the short ones leave while the rest
-    decode on. The batch changes size from step to step, every row keeps its own tree and node count."""
+    """A stream of six requests of different lengths: three are sent together; the other three once the trace
+    shows the longest of the first decoding, so they join a running batch; the short ones leave while the rest
+    decode on. The batch changes size from step to step, every row keeps its own tree and node count. (The
+    trigger is the longest request, not any: on a slow machine the first three may reach the scheduler one by
+    one, and the 8-token one can be prefilled, decoded and gone before the others start.)"""
     plain, ent = servers
     tag = uuid.uuid4().hex[:8]
     every = _jobs(8)   # JSON, tool call, code, chat; twice
-    first = [(0, 24), (2, 8), (3, 20)]         # (job, max_new_tokens): the code request leaves early
+    first = [(0, 40), (2, 8), (3, 20)]         # (job, max_new_tokens): the code request leaves early
     second = [(1, 16), (4, 24), (7, 12)]
     jobs = {f"{tag}-{k}": _short(every[k], n, f"{tag}-{k}") for k, n in first + second}
     reference = {rid: plain.post("/generate", {k: v for k, v in j.items() if k != "rid"})["output_ids"]
@@ -120,8 +122,9 @@ def test_requests_joining_and_leaving_mid_run_equal_plain(servers):
         running = {rid: pool.submit(ent.post, "/generate", jobs[rid]) for rid in firsts}
         trace = ent.log_path.parent / "trace"
         deadline = time.monotonic() + 300
-        while not any(rid in f.read_text() for f in trace.glob("trees-*.jsonl") for rid in firsts):
-            assert time.monotonic() < deadline and not any(f.done() for f in running.values()), "no step traced"
+        longest = f"{tag}-0"   # decodes long enough for the second three to join it
+        while not any(longest in f.read_text() for f in trace.glob("trees-*.jsonl")):
+            assert time.monotonic() < deadline and not running[longest].done(), "no step traced"
             time.sleep(0.02)
         running |= {f"{tag}-{k}": pool.submit(ent.post, "/generate", jobs[f"{tag}-{k}"]) for k, _ in second}
         outs = {rid: f.result() for rid, f in running.items()}
