@@ -118,35 +118,6 @@ constexpr int64_t PREFETCH_K = 16;  // the first row tile prefetches the block t
 // from L1 for the others, where whole blocks (147-393 KB on SmolLM2) came from L2 for every tile.
 constexpr int64_t KC = 128;
 
-// NR rows against NB consecutive blocks (NB * BW features, `valid` of them real).
-template <int NR, int NB>
-inline void tile(const float* x, int64_t ldx, const float* wp, int64_t K, float* y, int64_t ldy,
-                 const float* bias, int64_t valid, bool prefetch) {
-  vec acc[NR][2 * NB];
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < 2 * NB; ++j) acc[r][j] = vzero();
-  const int64_t block = K * BW;
-  for (int64_t k = 0; k < K; ++k) {
-    vec w[2 * NB];
-    for (int b = 0; b < NB; ++b) {
-      const float* p = wp + b * block + k * BW;
-      w[2 * b] = vload(p);
-      w[2 * b + 1] = vload(p + LANES);
-      if (prefetch) {
-        __builtin_prefetch(p + PREFETCH_K * BW, 0, 3);
-        if (BW * 4 > 64) __builtin_prefetch(p + PREFETCH_K * BW + 16, 0, 3);
-      }
-    }
-    for (int r = 0; r < NR; ++r) {
-      const vec xv = vbroadcast(x + r * ldx + k);
-      for (int j = 0; j < 2 * NB; ++j) acc[r][j] = vfma(xv, w[j], acc[r][j]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int j = 0; j < 2 * NB; ++j)
-      vstore(y + r * ldy + j * LANES, acc[r][j], bias ? bias + j * LANES : nullptr, valid - j * LANES);
-}
-
 // NR rows against NB blocks over k in [k0, k1): the chains start from `part` (NR x 2 NB vectors; from zero when k0
 // is 0) and go back to it, or, when k1 is K, to y (+ bias).
 template <int NR, int NB>
@@ -179,6 +150,13 @@ inline void tile_part(const float* x, int64_t ldx, const float* wp, int64_t K, i
       else
         vput(part + (r * 2 * NB + j) * LANES, acc[r][j]);
     }
+}
+
+// NR rows against NB consecutive blocks (NB * BW features, `valid` of them real): every k in one go.
+template <int NR, int NB>
+inline void tile(const float* x, int64_t ldx, const float* wp, int64_t K, float* y, int64_t ldy,
+                 const float* bias, int64_t valid, bool prefetch) {
+  tile_part<NR, NB>(x, ldx, wp, K, 0, K, nullptr, y, ldy, bias, valid, prefetch);
 }
 
 template <int NB, int NR>
