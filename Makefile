@@ -98,6 +98,13 @@ drafters: $(STAMP)
 drafters-fixed: $(STAMP)
 	$(BIN)/python -m entmtp_sglang.training.smollm2_drafters --threads 2 --install
 
+# More of SmolLM2's own answers for the shipped EAGLE and EAGLE-3 drafters (issue 38): 60 minutes of greedy answers to
+# new training prompts, teacher-forced, each drafter fine-tuned from its shipped weights (10 min each) and installed
+# only where its held-out agreement rose; resumable ($ENTMTP_CACHE/own/refresh); never in CI. Then the tree sets.
+drafters-refresh: $(STAMP)
+	$(BIN)/python -m entmtp_sglang.training.own_refresh --prompts 3000 --generate-minutes 60 --minutes 10 \
+	    --threads 2 --install
+
 # Tree sets for SmolLM2's drafters (about 10 minutes per drafter).
 trees-smollm2: $(STAMP)
 	for d in eagle hydra medusa; do \
@@ -107,4 +114,4 @@ trees-smollm2: $(STAMP)
 bench-policies: $(STAMP)
 	$(BIN)/python bench/policies.py
 
-.PHONY: install sglang serve demo test lint test-slow model trees bench-policies model-prepare drafters drafters-fixed trees-smollm2
+.PHONY: install sglang serve demo test lint test-slow model trees bench-policies model-prepare drafters drafters-fixed drafters-refresh trees-smollm2

@@ -97,6 +97,9 @@ ENTMTP_NO_SPAN_ENDS = SystemSpec("entmtp-no-span-ends", "ENTMTP", env=(("ENTMTP_
 ENTMTP_NO_GUARD = SystemSpec("entmtp-no-guard", "ENTMTP", env=(("ENTMTP_GUARD", "0"),))
 # ENTMTP with the EAGLE-3 drafter trained on fixed data (models/<model>/eagle3/, issue 38), where the model has one
 ENTMTP_EAGLE3 = SystemSpec("entmtp-eagle3", "ENTMTP", draft="eagle3")
+# ENTMTP with another drafter's weights (`--compare-draft DIR`: say the drafter shipped before a refresh, against the
+# one shipped now), in the same run
+COMPARE = SystemSpec("entmtp-compare-draft", "ENTMTP")
 # stock and plain in every wave; ENTMTP's wave first, beside adaptive
 SYSTEMS = (STOCK, PLAIN, ENTMTP, *EAGLE_SGLANG_LAYERS)
 OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED, ENTMTP_NO_LOOKUP, ENTMTP_NO_REST_SPANS,
@@ -113,6 +116,14 @@ COMPACT_SYSTEMS = (STOCK.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name, ENTM
                    ENTMTP_NO_LOOKUP.name, ENTMTP_NO_REST_SPANS.name, ENTMTP_NO_SPAN_ENDS.name)
 # the mixed batch: agent traffic, every batch in flight mixing schema extraction, tool calls, code and chat
 MIXED_BATCH_TASKS = ("json", "tool-call", "code", "chat")
+
+
+def with_compare_draft(specs: list[SystemSpec], draft: Path, tree_set: Path | None = None) -> list[SystemSpec]:
+    """`specs` with ENTMTP on the drafter in `draft` (serving `tree_set` if given) right after ENTMTP (in its wave),
+    or last."""
+    at = next((i + 1 for i, s in enumerate(specs) if s.name == ENTMTP.name), len(specs))
+    env = (("ENTMTP_TREE_SET", str(Path(tree_set).resolve())),) if tree_set is not None else ()
+    return specs[:at] + [dataclasses.replace(COMPARE, draft=str(Path(draft).resolve()), env=env)] + specs[at:]
 
 
 def systems_for(names: list[str], eagle_layers: str = "sglang") -> list[SystemSpec]:
@@ -322,6 +333,12 @@ def main() -> None:
                     "CPU) or this package's")
     ap.add_argument("--at-once", type=int, default=AT_ONCE, help="the most servers up together; more systems run "
                     "in waves, stock and plain SGLang in each (default %(default)s: each server holds about 4 GiB)")
+    ap.add_argument("--compare-draft", type=Path, metavar="DIR", default=None,
+                    help=f"also run ENTMTP with the drafter in DIR (system {COMPARE.name}; the same tree set, on every "
+                    "layout): another drafter's weights against the shipped one's in the same run")
+    ap.add_argument("--compare-tree-set", type=Path, metavar="FILE", default=None,
+                    help="the tree set that --compare-draft's server serves (ENTMTP_TREE_SET; default: the shipped "
+                    "set for its kind, as ENTMTP's)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--render", type=Path, metavar="JSONL",
                     help="start no server: draw the Markdown table again from a run's JSON lines (into --out)")
@@ -350,13 +367,23 @@ def main() -> None:
     if not layouts or layouts - {"free", "compact"}:
         ap.error(f"--json-layouts takes free and/or compact, not {args.json_layouts!r}")
     kv = ("--max-total-tokens", "6000")   # the longest batch here needs under 5k tokens of KV
-    systems = [dataclasses.replace(s, args=s.args + kv) for s in systems_for(names, args.eagle_layers)]
+    specs = systems_for(names, args.eagle_layers)
+    if args.compare_draft is not None:
+        if not (args.compare_draft / "config.json").exists():
+            ap.error(f"--compare-draft {args.compare_draft}: no drafter there (no config.json)")
+        if args.compare_tree_set is not None and not args.compare_tree_set.is_file():
+            ap.error(f"--compare-tree-set {args.compare_tree_set}: no such file")
+        specs = with_compare_draft(specs, args.compare_draft, args.compare_tree_set)
+    elif args.compare_tree_set is not None:
+        ap.error("--compare-tree-set goes with --compare-draft")
+    systems = [dataclasses.replace(s, args=s.args + kv) for s in specs]
     tasks = workloads(AutoTokenizer.from_pretrained(str(model)), args.per_task, args.max_new_tokens)
     work = {task: (items, tuple(args.batches)) for task, items in tasks.items() if task in chosen and args.batches
             and ("free" in layouts or task not in COMPACT_TASKS)}
     compact_work = {f"{task}-compact": (tasks[task], tuple(args.batches)) for task in COMPACT_TASKS
                     if "compact" in layouts and task in chosen and args.batches}
-    compact_systems = [dataclasses.replace(s, args=s.args + (COMPACT,)) for s in systems if s.name in COMPACT_SYSTEMS]
+    compact_systems = [dataclasses.replace(s, args=s.args + (COMPACT,)) for s in systems
+                       if s.name in COMPACT_SYSTEMS + (COMPARE.name,)]
     if "mixed" in chosen and args.mixed_batches:
         work["mixed"] = ([p for t in TASKS for p in tasks[t]], tuple(args.mixed_batches))
     if "mixed-batch" in chosen and args.mixed_batch_batches:
@@ -371,7 +398,8 @@ def main() -> None:
               "workloads": {k: list(v[1]) for k, v in {**work, **compact_work}.items()},
               "compact_systems": [s.name for s in compact_systems] if compact_work else [],
               "baseline": STOCK.name, "every_wave": list(every), "layers": {s.name: s.layers for s in systems},
-              "env": {s.name: dict(s.env) for s in systems}}
+              "env": {s.name: dict(s.env) for s in systems},
+              "drafts": {s.name: s.draft for s in systems if s.speculative == "ENTMTP"}}
     summed = tuple(b for b in args.batches if "mixed" not in work or b not in work["mixed"][1])
 
     done_rows: list = []   # the free layout's rows once its pass has finished (the compact pass runs after it)

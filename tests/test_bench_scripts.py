@@ -230,6 +230,14 @@ def test_the_product_benchmark_runs_stock_sglang_as_its_baseline_in_every_wave()
     assert [s.name for s in speed.systems_for(["entmtp"])] == ["plain-stock", "entmtp"]
     package = {s.name: s.layers for s in speed.systems_for(["eagle-adaptive"], "package")}
     assert package == {"plain-stock": "sglang", "eagle-adaptive": "package"}
+    # --compare-draft: ENTMTP on another drafter's weights, in ENTMTP's wave, the folder given in full
+    compared = speed.with_compare_draft(speed.systems_for(["plain", "entmtp"]), Path("some/eagle"))
+    assert [s.name for s in compared] == ["plain-stock", "plain", "entmtp", "entmtp-compare-draft"]
+    assert compared[-1].speculative == "ENTMTP" and compared[-1].draft == str(Path("some/eagle").resolve())
+    assert compared[-1].env == ()
+    other = speed.with_compare_draft([], Path("x"), Path("old-set.json"))[0]
+    assert other.name == "entmtp-compare-draft"
+    assert dict(other.env) == {"ENTMTP_TREE_SET": str(Path("old-set.json").resolve())}
 
 
 def test_the_mixed_stream_and_the_tables_divide_by_stock_when_the_run_has_it():

@@ -185,6 +185,75 @@ def test_a_fine_tune_starts_from_another_runs_weights(shards, tmp_path):
                  echo=False, max_batches=1, init_from=tmp_path / "base")
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_a_fine_tune_starts_from_a_shipped_drafter(shards, tmp_path, kind):
+    """`--init` also takes a drafter as shipped (its bf16 checkpoint, no optimizer): the run starts from exactly those
+    weights, and own_refresh scores them on the same held-out windows as a run's own evaluation."""
+    from entmtp_sglang.training import own_refresh
+
+    cfg = et.TrainConfig(steps=2, window=48, batch_tokens=384, lr=3e-3, draft_vocab=512, positions=2500,
+                         eval_windows=8, kind=kind)
+    base = et.train(shards, BUNDLED_MODEL, tmp_path / "base", cfg, echo=False)
+    shipped = tmp_path / "base" / "shipped"
+    again = et.train(shards, BUNDLED_MODEL, tmp_path / "again", cfg, echo=False, max_batches=0, init_from=shipped)
+    assert abs(again["held_out"]["loss"][0] - base["held_out"]["loss"][0]) < 0.05  # bf16 rounding apart
+    ids = torch.load(tmp_path / "base" / "ckpt.pt", weights_only=False)["draft_ids"]
+    assert torch.equal(torch.load(tmp_path / "again" / "ckpt.pt", weights_only=False)["draft_ids"], ids)
+    held = et.split(et.shard_files(shards))[1]
+    assert own_refresh.score(shipped, BUNDLED_MODEL, held, cfg) == again["held_out"]
+    tuned = et.train(shards, BUNDLED_MODEL, tmp_path / "tuned", cfg, echo=False, max_batches=3, init_from=shipped)
+    assert tuned["positions"] > 0 and "starting from" in (tmp_path / "tuned" / "train.log").read_text()
+    # installing keeps the drafter's record and adds the refresh's
+    out = tmp_path / "installed"
+    shutil.copytree(shipped, out)
+    (out / "training.json").write_text(json.dumps({"kind": kind}))
+    assert own_refresh.install(tmp_path / "tuned", out, {"positions": tuned["positions"]}) > 0
+    record = json.loads((out / "training.json").read_text())
+    assert record["kind"] == kind and record["refreshes"] == [{"positions": tuned["positions"]}]
+    assert not out.with_name("installed.tmp").exists()
+
+
+def test_a_fine_tune_refuses_a_folder_that_holds_no_drafter(shards, tmp_path):
+    cfg = et.TrainConfig(steps=2, window=48, batch_tokens=384, draft_vocab=512, positions=500, eval_windows=8)
+    with pytest.raises(FileNotFoundError, match="neither a training run"):
+        et.train(shards, BUNDLED_MODEL, tmp_path / "run", cfg, echo=False, init_from=tmp_path)
+    (tmp_path / "medusa").mkdir()
+    shutil.copy(BUNDLED_MODEL / "medusa" / "config.json", tmp_path / "medusa")
+    shutil.copy(BUNDLED_MODEL / "medusa" / "model.safetensors", tmp_path / "medusa")
+    with pytest.raises(ValueError, match="starts from an EAGLE-3 drafter or an EAGLE drafter"):
+        et.train(shards, BUNDLED_MODEL, tmp_path / "run2", cfg, echo=False, init_from=tmp_path / "medusa")
+
+
+def test_own_refresh_installs_only_a_drafter_that_improved():
+    from entmtp_sglang.training.own_refresh import better
+
+    assert better({"agreement": [0.5, 0.4, 0.3]}, {"agreement": [0.48, 0.41, 0.3]})
+    assert not better({"agreement": [0.5, 0.3, 0.2]}, {"agreement": [0.48, 0.41, 0.3]})  # depth 1 up, the rest down
+    assert not better({"agreement": [0.47, 0.5, 0.5]}, {"agreement": [0.48, 0.41, 0.3]})
+
+
+def test_the_model_card_keeps_the_drafters_it_did_not_measure_again():
+    from entmtp_sglang.training.model_card import merge_previous, refresh_lines
+
+    meta = {"model": "m", "prompts": 6, "max_new_tokens": 64, "command": "new", "duration_s": 5, "date": "d2"}
+    old = {"meta": {**meta, "command": "old", "duration_s": 9, "date": "d1"},
+           "results": {"medusa": {"x": 1}, "eagle": {"x": 2}}}
+    results, merged = merge_previous({"eagle": {"x": 3}}, meta, old)
+    assert results == {"medusa": {"x": 1}, "eagle": {"x": 3}}
+    assert merged["earlier"] == {"medusa": {"command": "old", "duration_s": 9, "date": "d1"}}
+    again, meta2 = merge_previous({"hydra": {"x": 4}}, {**meta, "date": "d3"}, {"meta": merged, "results": results})
+    assert meta2["earlier"]["medusa"]["date"] == "d1" and meta2["earlier"]["eagle"]["date"] == "d2"
+    # another prompt count: nothing is kept
+    assert merge_previous({"eagle": {}}, {**meta, "prompts": 3}, old) == ({"eagle": {}}, {**meta, "prompts": 3})
+    assert merge_previous({"eagle": {}}, meta, None) == ({"eagle": {}}, meta)
+    record = {"date": "d", "command": "own_refresh", "positions": 1000, "seconds": 120,
+              "data": {"batches_answered": 80, "seed": 3, "supervised": 500, "positions": 900},
+              "held_out_before": {"agreement": [0.5, 0.4, 0.3]}, "held_out": {"agreement": [0.52, 0.43, 0.31]}}
+    lines = refresh_lines({"eagle": [record]})
+    assert lines[0].startswith("## ") and "0.500 / 0.400 / 0.300 -> 0.520 / 0.430 / 0.310" in lines[2]
+    assert refresh_lines({}) == []
+
+
 def test_the_eagle_drafter_trains_on_the_same_shards(shards, tmp_path):
     from entmtp_sglang.model.drafters import EagleDraft
 

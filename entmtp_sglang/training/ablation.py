@@ -109,10 +109,13 @@ def write_shards(fwd, seqs: list[tuple[list[int], list[int], int]], out: Path, t
 
 def own_responses(model_dir: Path, home: Path, fixed: Path, prompts: int, held_prompts: int, batch_size: int,
                   max_new_tokens: int, max_prompt_tokens: int, threads: int, wheels: Path,
-                  log) -> dict[str, list[Path]]:
-    """The target's greedy responses to `prompts` training prompts (`home/self-train/`) and to `held_prompts` others
-    (`home/self-held/`, none repeating a training one), teacher-forced into the shard format of the fixed set
-    `fixed` (same capture layers, top-k, target): {"self-train": shards, "self-held": shards}. Resumes."""
+                  log, seed: int = 0, stop_after_s: float | None = None) -> dict[str, list[Path]]:
+    """The target's greedy responses to `prompts` training prompts (`home/self-train/`, drawn with `seed`) and to
+    `held_prompts` others (`home/self-held/`, seed + 1, none repeating a training one), teacher-forced into the
+    shard format of the fixed set `fixed` (its `recipe.json`: capture layers, top-k, target): {"self-train":
+    shards, "self-held": shards}. Resumes. `stop_after_s`: the training answers' generation stops starting batches
+    after that long and what was answered is used (`home/self-train/answered.json` records it, so that a rerun
+    teacher-forces the same answers instead of generating on)."""
     import torch
 
     from ..model.load import load_target, target_fingerprint
@@ -120,11 +123,15 @@ def own_responses(model_dir: Path, home: Path, fixed: Path, prompts: int, held_p
     from .fixed_data import TeacherForward
 
     recipe = json.loads((Path(fixed) / "recipe.json").read_text())
-    for work, n, exclude, seed in ((home / "self-train", prompts, [], 0),
-                                   (home / "self-held", held_prompts, [home / "self-train"], 1)):
+    for work, n, exclude, s, budget in ((home / "self-train", prompts, [], seed, stop_after_s),
+                                        (home / "self-held", held_prompts, [home / "self-train"], seed + 1, None)):
+        if (work / "answered.json").exists():
+            continue
         log(f"generating {work.name} ({n} prompts, greedy, {max_new_tokens} new tokens at most)")
-        distill_data.generate(model_dir, work, n, seed, batch_size, max_new_tokens, max_prompt_tokens, threads,
-                              wheels, log=log, exclude=exclude)
+        left = distill_data.generate(model_dir, work, n, s, batch_size, max_new_tokens, max_prompt_tokens, threads,
+                                     wheels, log=log, exclude=exclude, stop_after_s=budget)
+        (work / "answered.json").write_text(json.dumps({"batches_unanswered": left,
+                                                        "batches": len(list((work / "gen").glob("shard-*.pt")))}))
     target = load_target(model_dir, torch.float32)
     if target_fingerprint(target) != recipe["fingerprint"]:
         raise SystemExit(f"error: {fixed} was built from another target than {model_dir}")

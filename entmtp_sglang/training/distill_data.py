@@ -163,7 +163,11 @@ def answered(works: list[Path]) -> frozenset:
 
 
 def generate(model_dir: Path, work: Path, total: int, seed: int, batch_size: int, max_new_tokens: int,
-             max_prompt_tokens: int, threads: int, wheels: Path, log=print, exclude: list[Path] = ()) -> None:
+             max_prompt_tokens: int, threads: int, wheels: Path, log=print, exclude: list[Path] = (),
+             stop_after_s: float | None = None) -> int:
+    """Answer the prompts of `work` (drawn on the first call), a batch per shard, skipping shards already written;
+    `stop_after_s` stops starting new batches after that many seconds (a later call goes on). Returns the number
+    of batches still unanswered."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -187,17 +191,23 @@ def generate(model_dir: Path, work: Path, total: int, seed: int, batch_size: int
     gen_dir.mkdir(exist_ok=True)
     eos = tok.convert_tokens_to_ids("<|im_end|>")
     t0, made = time.time(), 0
+    left = sum(not (gen_dir / f"shard-{bi:05d}.pt").exists() for bi in range(len(batches)))
     for bi, batch in enumerate(batches):
         shard = gen_dir / f"shard-{bi:05d}.pt"
         if shard.exists():
             continue
+        if stop_after_s is not None and time.time() - t0 > stop_after_s:
+            log(f"stopping after {time.time() - t0:.0f} s: {left} of {len(batches)} batches unanswered")
+            return left
         rows = _generate_batch(model, tok, model_dir, batch, eos, max_new_tokens)
         torch.save(rows, shard.with_suffix(".tmp"))
         shard.with_suffix(".tmp").rename(shard)
         made += sum(len(r["response"]) for r in rows)
+        left -= 1
         rate = made / (time.time() - t0)
         log(f"shard {bi + 1}/{len(batches)} ({batch[0][0]['task']}): {made} response tokens this run, "
-            f"{rate:.0f} tok/s, {time.time() - t0:.0f} s")
+            f"{rate:.0f} tok/s, {time.time() - t0:.0f} s; {left} batches left")
+    return 0
 
 
 def _generate_batch(model, tok, model_dir: Path, batch, eos: int, max_new_tokens: int) -> list[dict]:

@@ -278,15 +278,63 @@ def level_losses(draft: Eagle3Draft, batch: dict, steps: int) -> tuple[torch.Ten
 # -- the run ---------------------------------------------------------------------------------------------------
 
 class _Log:
-    def __init__(self, path: Path, echo=True):
-        self.path, self.echo = path, echo
+    def __init__(self, path: Path, echo=True, name: str = "eagle3"):
+        self.path, self.echo, self.name = path, echo, name
 
     def __call__(self, msg: str) -> None:
-        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} eagle3: {msg}"
+        line = f"{time.strftime('%Y-%m-%d %H:%M:%S')} {self.name}: {msg}"
         with open(self.path, "a") as f:
             f.write(line + "\n")
         if self.echo:
             print(line, file=sys.stderr, flush=True)
+
+
+def load_init(path: Path, target_cfg: dict) -> dict:
+    """What a fine-tune starts from: a run's folder (its `ckpt.pt`) or a drafter as shipped or installed (the
+    folder with `config.json` and `model.safetensors`: `LlamaForCausalLMEagle3` with its `d2t`, or the EAGLE layout
+    with `draft_vocab.safetensors`), as {"model", "draft_ids", "config": {"kind", "intermediate_size"},
+    "positions"}. A shipped checkpoint's head (if it carries one) is dropped: the head trains frozen on the
+    target's rows unless a run's checkpoint says otherwise."""
+    path = Path(path)
+    if (path / "ckpt.pt").exists():
+        return torch.load(path / "ckpt.pt", weights_only=False)
+    if not (path / "model.safetensors").exists() or not (path / "config.json").exists():
+        raise FileNotFoundError(f"{path}: neither a training run (ckpt.pt) nor a drafter (config.json and "
+                                f"model.safetensors)")
+    from safetensors.torch import load_file
+
+    cfg = json.loads((path / "config.json").read_text())
+    state = load_file(str(path / "model.safetensors"))
+    arch = (cfg.get("architectures") or [""])[0]
+    if arch == "LlamaForCausalLMEagle3":
+        kind, draft_ids = "eagle3", state["d2t"].long() + torch.arange(len(state["d2t"]))
+    elif arch == "LlamaForCausalLMEagle" and (path / "draft_vocab.safetensors").exists():
+        kind = "eagle"
+        draft_ids = load_file(str(path / "draft_vocab.safetensors"))["draft_ids"].long()
+    else:
+        raise ValueError(f"{path}: a {arch or 'drafter of no architecture'} checkpoint; a fine-tune starts from an "
+                         f"EAGLE-3 drafter or an EAGLE drafter with its draft_vocab.safetensors")
+    inter = int(cfg.get("intermediate_size", target_cfg["intermediate_size"]))
+    positions = 0
+    if (path / "training.json").exists():
+        record = json.loads((path / "training.json").read_text())
+        own = record.get("self_distilled")
+        positions = int(record.get("positions", 0)) + (int(own["positions"]) if isinstance(own, dict) else 0)
+    return {"model": {k: v.float() if v.is_floating_point() else v for k, v in state.items()
+                      if not k.startswith("lm_head")},
+            "draft_ids": draft_ids, "positions": positions,
+            "config": {"kind": kind, "intermediate_size": 0 if inter == target_cfg["intermediate_size"] else inter}}
+
+
+def load_weights(draft: torch.nn.Module, model: dict, source) -> None:
+    """`model` into `draft`; every trained weight must be there (the embedding, the head and the rotary tables
+    come from the target)."""
+    missing, unexpected = draft.load_state_dict(model, strict=False)
+    shared = ("embed_tokens.", "lm_head.", "head.", "rotary.")
+    missing = [k for k in missing if not k.startswith(shared)]
+    if missing or unexpected:
+        raise ValueError(f"{source}: weights do not fit this drafter (missing {missing[:4]}, unexpected "
+                         f"{unexpected[:4]})")
 
 
 def _hms(seconds: float) -> str:
@@ -374,7 +422,7 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
         torch.set_num_threads(threads)
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
-    log = _Log(run_dir / "train.log", echo)
+    log = _Log(run_dir / "train.log", echo, cfg.kind)
     files = shard_files(data)
     recipe = json.loads((Path(data) / "recipe.json").read_text())
     capture = tuple(recipe["capture_layers"])
@@ -388,7 +436,7 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
         cfg = TrainConfig(**state["config"])
     init = None
     if state is None and init_from is not None:
-        init = torch.load(Path(init_from) / "ckpt.pt", weights_only=False)
+        init = load_init(init_from, target_cfg)
         if init["config"]["kind"] != cfg.kind or init["config"]["intermediate_size"] != cfg.intermediate_size:
             raise ValueError(f"{init_from} holds a {init['config']['kind']} drafter (intermediate size "
                              f"{init['config']['intermediate_size']}); this run trains {cfg.kind} "
@@ -418,7 +466,7 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
         done_positions, spent = state["positions"], state["seconds"]
         log(f"resumed at {done_positions} positions, {_hms(spent)} spent")
     elif init is not None:
-        draft.load_state_dict(init["model"], strict=False)
+        load_weights(draft, init["model"], init_from)
         log(f"starting from {init_from}'s weights ({init['positions']} positions trained there)")
     held_shards = {i: load_shard(f) for i, f in enumerate(held_files)}
     held = []

@@ -107,7 +107,24 @@ def fixed_data_section(records: dict[str, dict]) -> list[str]:
     return lines
 
 
-def write_card(path: Path, results: dict, meta: dict, training: dict, fixed: dict[str, dict] | None = None) -> None:
+def refresh_lines(refreshed: dict[str, list[dict]]) -> list[str]:
+    """A line per fine-tune on more of the target's own answers (`training/own_refresh.py`), per drafter."""
+    lines = []
+    for kind, records in refreshed.items():
+        for r in records:
+            d = r["data"]
+            before = " / ".join(f"{a:.3f}" for a in r["held_out_before"]["agreement"])
+            after = " / ".join(f"{a:.3f}" for a in r["held_out"]["agreement"])
+            lines.append(f"- {kind}, {r['date']}: fine-tuned from the weights shipped before on the target's own "
+                         f"greedy answers to {d['batches_answered']} batches of new training prompts (seed "
+                         f"{d['seed']}; {d['supervised']:,} supervised of {d['positions']:,} positions), "
+                         f"{r['positions']:,} positions in {r['seconds'] / 60:.0f} min (`{r['command']}`); "
+                         f"held-out answers' agreement per level {before} -> {after}.")
+    return ["## Fine-tunes on more of the target's own answers", "", *lines, ""] if lines else []
+
+
+def write_card(path: Path, results: dict, meta: dict, training: dict, fixed: dict[str, dict] | None = None,
+               refreshed: dict[str, list[dict]] | None = None) -> None:
     fixed = fixed or {}
     self_kinds = [k for k in results if k not in fixed]
     names = {"medusa": "Medusa heads", "hydra": "Hydra heads", "eagle": "a one-layer EAGLE drafter "
@@ -134,13 +151,16 @@ def write_card(path: Path, results: dict, meta: dict, training: dict, fixed: dic
              f"- Recipe: `make drafters`; seed {training.get('seed')}, {training.get('steps')} steps, "
              f"EAGLE unrolled {training.get('eagle_unroll')} steps on its own features.", "",
              *fixed_data_section(fixed),
+             *refresh_lines(refreshed or {}),
              "## Held-out evaluation", "",
              f"`{meta['command']}` ({meta['duration_s']} s, {meta['date']}): the first {meta['prompts']} "
              f"`test` prompts of each task, {meta['max_new_tokens']} new tokens, greedy (one batch per task). "
              "*Accepted* is the mean number of drafted tokens accepted per target pass; *top-1 d1..d5* is "
              "the drafter's agreement with the target's next tokens at depths 1-5 along the target's own "
              f"continuation. The default tree is Medusa's construction from these accuracies ({DEFAULT_NODES} "
-             "nodes). *equal* says whether every output equalled plain greedy decoding.", "",
+             "nodes). *equal* says whether every output equalled plain greedy decoding."
+             + "".join(f" {d}: measured earlier by `{e['command']}` ({e['duration_s']} s, {e['date']})."
+                       for d, e in meta.get("earlier", {}).items()), "",
              "| drafter | task | accepted, chain:4 | accepted, default tree | top-1 d1..d5 | equal |",
              "|---|---|---|---|---|---|"]
     for drafter, tasks in results.items():
@@ -153,6 +173,23 @@ def write_card(path: Path, results: dict, meta: dict, training: dict, fixed: dic
               "(grammar-aware drafting); `json-verify-only` under the same schema with the grammar applied at "
               "verification only (SGLang's behaviour).", ""]
     path.write_text("\n".join(lines) + "\n")
+
+
+def merge_previous(results: dict, meta: dict, previous: dict | None) -> tuple[dict, dict]:
+    """Keep the drafters an earlier card measured and this run did not (same model, prompts and tokens), each with
+    the run that measured it (`meta["earlier"]`): measuring one retrained drafter leaves the others' rows."""
+    earlier: dict = {}
+    kept: dict = {}
+    if previous is not None:
+        old = previous["meta"]
+        if all(old.get(k) == meta[k] for k in ("model", "prompts", "max_new_tokens")):
+            for drafter, r in previous["results"].items():
+                if drafter not in results:
+                    kept[drafter] = r
+                    earlier[drafter] = old.get("earlier", {}).get(drafter) or {
+                        k: old[k] for k in ("command", "duration_s", "date")}
+    meta = {**meta, "earlier": earlier} if earlier else meta
+    return {**kept, **results}, meta
 
 
 def main(argv=None) -> int:
@@ -185,10 +222,13 @@ def main(argv=None) -> int:
             "command": "python -m entmtp_sglang.training.model_card "
                        + " ".join(sys.argv[1:] if argv is None else argv),
             "duration_s": round(time.time() - t0), "date": time.strftime("%Y-%m-%d")}
+    previous = json.loads((out / "eval.json").read_text()) if (out / "eval.json").exists() else None
+    results, meta = merge_previous(results, meta, previous)
     (out / "eval.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     fixed = {k: json.loads((out / k / "training.json").read_text()) for k in results
              if (out / k / "training.json").exists()}
-    write_card(out / "MODEL_CARD.md", results, meta, training, {k: r for k, r in fixed.items() if "data" in r})
+    write_card(out / "MODEL_CARD.md", results, meta, training, {k: r for k, r in fixed.items() if "data" in r},
+               {k: r["refreshes"] for k, r in fixed.items() if r.get("refreshes")})
     print(f"wrote {out / 'MODEL_CARD.md'}")
     return 0
 
