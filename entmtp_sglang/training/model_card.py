@@ -96,14 +96,22 @@ def fixed_data_section(records: dict[str, dict]) -> list[str]:
                   f"- `{r['command']}` (`make drafters-fixed`): {d['positions']:,} teacher-forced positions of fixed "
                   f"text ({by_source}), {d['bytes'] / 2**30:.1f} GiB, {d['compute_seconds'] / 60:.0f} min of "
                   f"compute on {d['cpu']}; the target's hidden states and its top-{d['recipe']['top_k']} next-token "
-                  "distribution at every position (`training/fixed_data.py`); no self-distilled data.",
+                  "distribution at every position (`training/fixed_data.py`).",
                   f"- Training: {r['positions']:,} positions of training-time test ({r['config']['steps']} levels) in "
                   f"{r['seconds'] / 60:.0f} min; draft vocabulary {r['draft_vocab']} tokens; head frozen (the target's "
                   f"rows); {r['shipped_bytes'] / 1e6:.1f} MB shipped in bf16.",
                   f"- Held-out teacher-forced agreement with the target's top token per level (fixed text, shard "
                   f"{', '.join(r['held_out_shards'])}): {' / '.join(f'{a:.3f}' for a in held['agreement'])}; level 1 "
                   "by source: " + ", ".join(f"{k} {v:.2f}" for k, v in held["depth1_agreement_by_source"].items())
-                  + ".", ""]
+                  + "."]
+        own = r.get("self_distilled")
+        if isinstance(own, dict):
+            lines.append(f"- Then fine-tuned from those weights on the target's own greedy answers to "
+                         f"{own['prompts']:,} training prompts ({own['supervised']:,} supervised positions): "
+                         f"{own['positions']:,} "
+                         f"positions in {own['seconds'] / 60:.0f} min; held-out own answers' agreement per level "
+                         + " / ".join(f"{a:.3f}" for a in own["held_out"]["agreement"]) + ".")
+        lines.append("")
     return lines
 
 
@@ -130,8 +138,9 @@ def write_card(path: Path, results: dict, meta: dict, training: dict, fixed: dic
     names = {"medusa": "Medusa heads", "hydra": "Hydra heads", "eagle": "a one-layer EAGLE drafter "
              "(`LlamaForCausalLMEagle`, SGLang's layout)", "eagle3": "an EAGLE-3 drafter (`LlamaForCausalLMEagle3`)"}
     listed = ", ".join(names.get(k, k) for k in self_kinds)
-    fixed_note = (" " + ", ".join(names.get(k, k) for k in fixed).capitalize() + " trained on fixed text with the "
-                  "target's own distributions (below).") if fixed else ""
+    fixed_names = ", ".join(names.get(k, k) for k in fixed)
+    fixed_note = (" " + fixed_names[:1].upper() + fixed_names[1:] + " trained on fixed text with the target's own "
+                  "distributions (below).") if fixed else ""
     lines = [f"# Drafters for {meta['model']}", "",
              f"{listed[:1].upper() + listed[1:]}, "
              "trained here by self-distillation on the target's own greedy responses." + fixed_note + " None stores an "
@@ -159,7 +168,8 @@ def write_card(path: Path, results: dict, meta: dict, training: dict, fixed: dic
              "the drafter's agreement with the target's next tokens at depths 1-5 along the target's own "
              f"continuation. The default tree is Medusa's construction from these accuracies ({DEFAULT_NODES} "
              "nodes). *equal* says whether every output equalled plain greedy decoding."
-             + "".join(f" {d}: measured earlier by `{e['command']}` ({e['duration_s']} s, {e['date']})."
+             + "".join(f" {d}: measured earlier by `{e['command']}` ("
+                       + (f"{e['duration_s']} s, " if e.get("duration_s") is not None else "") + f"{e['date']})."
                        for d, e in meta.get("earlier", {}).items()), "",
              "| drafter | task | accepted, chain:4 | accepted, default tree | top-1 d1..d5 | equal |",
              "|---|---|---|---|---|---|"]
@@ -202,7 +212,17 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=Path, default=None, help="folder for eval.json and MODEL_CARD.md "
                    "(default: the package's drafters of the model)")
+    p.add_argument("--render", action="store_true", help="measure nothing: draw MODEL_CARD.md again from the "
+                   "eval.json in --out (default: the package's drafters of --model)")
     args = p.parse_args(argv)
+    if args.render:
+        from ..model.prepare import resolve_alias
+
+        out = args.out or Path(__file__).resolve().parent.parent / "models" / resolve_alias(args.model).name
+        saved = json.loads((out / "eval.json").read_text())
+        render(out, saved["results"], saved["meta"])
+        print(f"wrote {out / 'MODEL_CARD.md'}")
+        return 0
     torch.set_num_threads(args.threads)
     t0 = time.time()
     results: dict = {}
@@ -217,7 +237,6 @@ def main(argv=None) -> int:
                                              lambda m: print(m, flush=True))
     out = args.out or Path(__file__).resolve().parent.parent / "models" / name
     out.mkdir(parents=True, exist_ok=True)
-    training = json.loads((out / "training.json").read_text()) if (out / "training.json").exists() else {}
     meta = {"model": name, "prompts": args.prompts, "max_new_tokens": args.max_new_tokens,
             "command": "python -m entmtp_sglang.training.model_card "
                        + " ".join(sys.argv[1:] if argv is None else argv),
@@ -225,12 +244,18 @@ def main(argv=None) -> int:
     previous = json.loads((out / "eval.json").read_text()) if (out / "eval.json").exists() else None
     results, meta = merge_previous(results, meta, previous)
     (out / "eval.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    fixed = {k: json.loads((out / k / "training.json").read_text()) for k in results
-             if (out / k / "training.json").exists()}
-    write_card(out / "MODEL_CARD.md", results, meta, training, {k: r for k, r in fixed.items() if "data" in r},
-               {k: r["refreshes"] for k, r in fixed.items() if r.get("refreshes")})
+    render(out, results, meta)
     print(f"wrote {out / 'MODEL_CARD.md'}")
     return 0
+
+
+def render(out: Path, results: dict, meta: dict) -> None:
+    """`out/MODEL_CARD.md` from measured `results` and the drafters' records beside them."""
+    training = json.loads((out / "training.json").read_text()) if (out / "training.json").exists() else {}
+    records = {k: json.loads((out / k / "training.json").read_text()) for k in results
+               if (out / k / "training.json").exists()}
+    write_card(out / "MODEL_CARD.md", results, meta, training, {k: r for k, r in records.items() if "data" in r},
+               {k: r["refreshes"] for k, r in records.items() if r.get("refreshes")})
 
 
 if __name__ == "__main__":
