@@ -209,28 +209,15 @@ def supervised_in(files: list[Path]) -> int:
 
 def evaluate_on(run_dir: Path, model_dir: Path, files: list[Path], windows_max: int = 512) -> dict:
     """A finished run's drafter scored on the held-out shards `files` (all their windows up to windows_max)."""
-    import random
+    from dataclasses import replace
 
     import torch
 
-    from ..model.load import load_target
-    from .eagle3_train import FEATURES, TrainConfig, evaluate, load_shard, new_drafter, windows
+    from .eagle3_train import TrainConfig
+    from .own_refresh import score
 
-    state = torch.load(run_dir / "ckpt.pt", weights_only=False)
-    cfg = TrainConfig(**state["config"])
-    target = load_target(model_dir)
-    target_cfg = json.loads((model_dir / "config.json").read_text())
-    recipe = json.loads((files[0].parent / "recipe.json").read_text())
-    draft = new_drafter(target_cfg, tuple(recipe["capture_layers"]), state["draft_ids"], cfg, target)
-    draft.load_state_dict(state["model"], strict=False)
-    t2d = torch.full((target.shape.vocab_size,), -1, dtype=torch.int64)
-    t2d[state["draft_ids"]] = torch.arange(len(state["draft_ids"]))
-    shards = {i: load_shard(f) for i, f in enumerate(files)}
-    ws = []
-    for i, s in shards.items():
-        ws += windows(s["seq_lens"].tolist(), s["seq_source"].tolist(), i, cfg.window)
-    ws = random.Random(1).sample(ws, min(windows_max, len(ws)))
-    return evaluate(draft.eval(), shards, ws, t2d, cfg.steps, FEATURES[cfg.kind])
+    cfg = TrainConfig(**torch.load(run_dir / "ckpt.pt", weights_only=False)["config"])
+    return score(run_dir, model_dir, files, replace(cfg, eval_windows=windows_max))
 
 
 def markdown(result: dict) -> str:

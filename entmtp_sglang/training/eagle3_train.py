@@ -289,6 +289,14 @@ class _Log:
             print(line, file=sys.stderr, flush=True)
 
 
+def held_windows(shards: dict[int, dict], window: int, count: int) -> list[Window]:
+    """The held-out windows a run is scored on: `count` of every window of `shards`, drawn with a fixed seed."""
+    ws = []
+    for i, s in shards.items():
+        ws += windows(s["seq_lens"].tolist(), s["seq_source"].tolist(), i, window)
+    return random.Random(1).sample(ws, min(count, len(ws)))
+
+
 def load_init(path: Path, target_cfg: dict) -> dict:
     """What a fine-tune starts from: a run's folder (its `ckpt.pt`) or a drafter as shipped or installed (the
     folder with `config.json` and `model.safetensors`: `LlamaForCausalLMEagle3` with its `d2t`, or the EAGLE layout
@@ -469,10 +477,7 @@ def train(data: Path, model_dir: Path, run_dir: Path, cfg: TrainConfig, threads:
         load_weights(draft, init["model"], init_from)
         log(f"starting from {init_from}'s weights ({init['positions']} positions trained there)")
     held_shards = {i: load_shard(f) for i, f in enumerate(held_files)}
-    held = []
-    for i, s in held_shards.items():
-        held += windows(s["seq_lens"].tolist(), s["seq_source"].tolist(), i, cfg.window)
-    held = random.Random(1).sample(held, min(cfg.eval_windows, len(held)))
+    held = held_windows(held_shards, cfg.window, cfg.eval_windows)
     if len(files) == 1 and not held_out:
         log("one shard only: evaluating on windows of the training shard (a smoke run)")
     total_positions = cfg.positions or sum(

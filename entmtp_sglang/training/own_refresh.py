@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import shutil
 import sys
 import time
@@ -73,10 +72,7 @@ def score(init: Path, model_dir: Path, held: list[Path], cfg: et.TrainConfig) ->
     t2d = torch.full((target.shape.vocab_size,), -1, dtype=torch.int64)
     t2d[state["draft_ids"]] = torch.arange(len(state["draft_ids"]))
     shards = {i: et.load_shard(f) for i, f in enumerate(held)}
-    ws = []
-    for i, s in shards.items():
-        ws += et.windows(s["seq_lens"].tolist(), s["seq_source"].tolist(), i, cfg.window)
-    ws = random.Random(1).sample(ws, min(cfg.eval_windows, len(ws)))
+    ws = et.held_windows(shards, cfg.window, cfg.eval_windows)
     return et.evaluate(draft.eval(), shards, ws, t2d, cfg.steps, et.FEATURES[cfg.kind])
 
 
