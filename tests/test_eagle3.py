@@ -188,7 +188,7 @@ def test_a_fine_tune_starts_from_another_runs_weights(shards, tmp_path):
 @pytest.mark.parametrize("kind", ["eagle3", "eagle"])
 def test_a_fine_tune_starts_from_a_shipped_drafter(shards, tmp_path, kind):
     """`--init` also takes a drafter as shipped (its bf16 checkpoint, no optimizer): the run starts from exactly those
-    weights, and own_refresh scores them on the same held-out windows as a run's own evaluation."""
+    weights, and `score` (own_refresh's) scores them on the same held-out windows as a run's own evaluation."""
     from entmtp_sglang.training import own_refresh
 
     cfg = et.TrainConfig(steps=2, window=48, batch_tokens=384, lr=3e-3, draft_vocab=512, positions=2500,
@@ -200,7 +200,7 @@ def test_a_fine_tune_starts_from_a_shipped_drafter(shards, tmp_path, kind):
     ids = torch.load(tmp_path / "base" / "ckpt.pt", weights_only=False)["draft_ids"]
     assert torch.equal(torch.load(tmp_path / "again" / "ckpt.pt", weights_only=False)["draft_ids"], ids)
     held = et.split(et.shard_files(shards))[1]
-    assert own_refresh.score(shipped, BUNDLED_MODEL, held, cfg) == again["held_out"]
+    assert et.score(shipped, BUNDLED_MODEL, held, cfg) == again["held_out"]
     tuned = et.train(shards, BUNDLED_MODEL, tmp_path / "tuned", cfg, echo=False, max_batches=3, init_from=shipped)
     assert tuned["positions"] > 0 and "starting from" in (tmp_path / "tuned" / "train.log").read_text()
     # installing keeps the drafter's record and adds the refresh's

@@ -213,8 +213,7 @@ def evaluate_on(run_dir: Path, model_dir: Path, files: list[Path], windows_max: 
 
     import torch
 
-    from .eagle3_train import TrainConfig
-    from .own_refresh import score
+    from .eagle3_train import TrainConfig, score
 
     cfg = TrainConfig(**torch.load(run_dir / "ckpt.pt", weights_only=False)["config"])
     return score(run_dir, model_dir, files, replace(cfg, eval_windows=windows_max))

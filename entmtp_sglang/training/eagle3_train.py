@@ -599,6 +599,41 @@ def export_eagle(draft: EagleDraft, out_dir: Path, target_cfg: dict, target_info
     return sum(v.numel() * v.element_size() for v in state.values())
 
 
+def score(init: Path, model_dir: Path, held: list[Path], cfg: TrainConfig) -> dict:
+    """The drafter in `init` (shipped folder or run) on the held-out shards, with the windows `train` evaluates on."""
+    import torch
+
+    from ..model.load import load_target
+
+    target = load_target(model_dir)
+    target_cfg = json.loads((model_dir / "config.json").read_text())
+    state = load_init(init, target_cfg)
+    capture = tuple(json.loads((held[0].parent / "recipe.json").read_text())["capture_layers"])
+    draft = new_drafter(target_cfg, capture, state["draft_ids"], cfg, target)
+    load_weights(draft, state["model"], init)
+    t2d = torch.full((target.shape.vocab_size,), -1, dtype=torch.int64)
+    t2d[state["draft_ids"]] = torch.arange(len(state["draft_ids"]))
+    shards = {i: load_shard(f) for i, f in enumerate(held)}
+    ws = held_windows(shards, cfg.window, cfg.eval_windows)
+    return evaluate(draft.eval(), shards, ws, t2d, cfg.steps, FEATURES[cfg.kind])
+
+
+def kinds_and_model(args) -> tuple[list[str], Path] | None:
+    """`--kinds` (drafter kinds, comma-separated) and `--model` (prepared on first use) checked; None (the error
+    printed) where either is wrong."""
+    from ..model.prepare import PrepareError, resolve_model
+
+    kinds = [k for k in args.kinds.split(",") if k]
+    if not kinds or set(kinds) - set(FEATURES):
+        print(f"error: --kinds takes {', '.join(FEATURES)} (comma-separated), got {args.kinds!r}", file=sys.stderr)
+        return None
+    try:
+        return kinds, resolve_model(args.model, log=lambda m: print(m, file=sys.stderr))
+    except PrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
+
+
 def _meta(path: Path) -> dict:
     from safetensors import safe_open
 

@@ -57,25 +57,6 @@ def teacher_recipe(model_dir: Path, home: Path) -> Path:
     return home
 
 
-def score(init: Path, model_dir: Path, held: list[Path], cfg: et.TrainConfig) -> dict:
-    """The drafter in `init` (shipped folder or run) on the held-out shards, with the windows `train` evaluates on."""
-    import torch
-
-    from ..model.load import load_target
-
-    target = load_target(model_dir)
-    target_cfg = json.loads((model_dir / "config.json").read_text())
-    state = et.load_init(init, target_cfg)
-    capture = tuple(json.loads((held[0].parent / "recipe.json").read_text())["capture_layers"])
-    draft = et.new_drafter(target_cfg, capture, state["draft_ids"], cfg, target)
-    et.load_weights(draft, state["model"], init)
-    t2d = torch.full((target.shape.vocab_size,), -1, dtype=torch.int64)
-    t2d[state["draft_ids"]] = torch.arange(len(state["draft_ids"]))
-    shards = {i: et.load_shard(f) for i, f in enumerate(held)}
-    ws = et.held_windows(shards, cfg.window, cfg.eval_windows)
-    return et.evaluate(draft.eval(), shards, ws, t2d, cfg.steps, et.FEATURES[cfg.kind])
-
-
 def better(after: dict, before: dict) -> bool:
     a, b = after["agreement"], before["agreement"]
     return a[0] > b[0] and sum(a) > sum(b)
@@ -97,9 +78,8 @@ def install(run_dir: Path, out: Path, record: dict) -> int:
 def run(args) -> int:
     from ..model.prepare import cache_root
     from .ablation import own_responses, supervised_in
-    from .smollm2_drafters import kinds_and_model
 
-    checked = kinds_and_model(args)
+    checked = et.kinds_and_model(args)
     if checked is None:
         return 2
     kinds, model_dir = checked
@@ -131,7 +111,7 @@ def run(args) -> int:
         cfg = et.TrainConfig(kind=kind, minutes=args.minutes, positions=10**9, lr=args.lr, warmup=0.05,
                              eval_windows=args.eval_windows)
         run_dir = cache_root() / kind / args.name
-        before = score(init, model_dir, files["self-held"], cfg)
+        before = et.score(init, model_dir, files["self-held"], cfg)
         _log(f"{kind} as shipped: held-out agreement per level {before['agreement']}, depth 1 by source "
              f"{before['depth1_agreement_by_source']}")
         if not (run_dir / "summary.json").exists():

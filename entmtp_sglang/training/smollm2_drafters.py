@@ -81,26 +81,10 @@ def install(run_dir: Path, kind: str, data: Path, out: Path, own: dict | None = 
     return record
 
 
-def kinds_and_model(args) -> tuple[list[str], Path] | None:
-    """`--kinds` (drafter kinds, comma-separated) and `--model` (prepared on first use) checked; None (the error
-    printed) where either is wrong."""
-    from ..model.prepare import PrepareError, resolve_model
-
-    kinds = [k for k in args.kinds.split(",") if k]
-    if not kinds or set(kinds) - set(et.FEATURES):
-        print(f"error: --kinds takes {', '.join(et.FEATURES)} (comma-separated), got {args.kinds!r}", file=sys.stderr)
-        return None
-    try:
-        return kinds, resolve_model(args.model, log=lambda m: print(m, file=sys.stderr))
-    except PrepareError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return None
-
-
 def run(args) -> int:
     from ..model.prepare import cache_root
 
-    checked = kinds_and_model(args)
+    checked = et.kinds_and_model(args)
     if checked is None:
         return 2
     kinds, model_dir = checked
