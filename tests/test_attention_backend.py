@@ -123,6 +123,26 @@ def test_dense_plans_read_queries_as_a_view_and_give_the_indexed_result_exactly(
                                    q, k, v, 0.3, torch.zeros_like(q)))
 
 
+
+def test_the_plans_additive_mask_is_the_bool_mask_bit_for_bit():
+    """`attend` hands SDPA the plan's mask as an additive bias made once per forward (not the bool mask, which SDPA
+    converts on every layer): the output is the bool mask's bit for bit, for grouped-query heads too."""
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+    gen = torch.Generator().manual_seed(8)
+    k, v, r2t = pool(gen)
+    rpi, seq, n = torch.tensor([2, 0, 1]), torch.tensor([9, 5, 13]), 4
+    mask = build_buffers(Tree((-1, 0, 0, 1))).ancestor_mask.flatten().repeat(3)
+    plan = verify_plan(r2t, rpi, seq, n, mask)
+    for heads in (2, 4):   # the pool's 2 KV heads: plain and grouped (2 queries a KV head)
+        q = torch.randn(3 * n, heads, 8, generator=gen)
+        got = attend(plan, q, k, v, 0.5, torch.zeros_like(q))
+        kk, vv = k[plan.kv_idx].transpose(1, 2), v[plan.kv_idx].transpose(1, 2)
+        want = sdpa(q.view(3, n, heads, 8).transpose(1, 2), kk, vv, attn_mask=plan.mask[:, None], scale=0.5,
+                    enable_gqa=heads != 2).transpose(1, 2).reshape(3 * n, heads, 8)
+        assert torch.equal(got, want)
+    assert plan.bias(torch.float32) is plan.bias(torch.float32)   # made once, shared by every layer
+
+
 def test_decode_of_equal_lengths_runs_unmasked_and_matches_the_masked_plan():
     """Nothing is padded when every request has the same length (batch 1 always): the decode plan carries no mask,
     so SDPA takes its unmasked path, as SGLang's plain decoding does; the values are the masked plan's."""

@@ -114,6 +114,45 @@ def test_the_packed_verify_attends_as_the_full_one_on_every_real_query():
     assert not back[~real.reshape(-1)].any()
 
 
+
+def test_a_packed_verify_of_full_rows_is_read_as_a_view_and_gives_the_indexed_result_exactly():
+    """Every row as long as the longest (batch 1 always, forced spans or not): the packed queries are bs x Q in
+    order, so the plan is dense (no index copies in 30 layers); the result equals the indexed path's bit for bit,
+    and a plan with a short row writes back through its precomputed index exactly as the full verify attends."""
+    torch.manual_seed(2)
+    bs, n, heads, dim = 2, 5, 2, 8
+    seq = torch.tensor([6, 9])
+    r2t = torch.randperm(200)[:bs * 20].view(bs, 20).to(torch.int32)
+    k_buf, v_buf = torch.randn(200, heads, dim), torch.randn(200, heads, dim)
+    parents = torch.tensor([-1, 0, 1, 1, 2])
+    mask = torch.stack([torch.stack([torch.tensor([_is_ancestor(parents, a, q) for a in range(n)])
+                                     for q in range(n)])] * bs)
+    for counts in ((4, 4), (5, 5), (2, 5)):
+        real = torch.zeros(bs, n, dtype=torch.bool)
+        for b, c in enumerate(counts):
+            real[b, :c] = True
+        index = packed_index(real)
+        q = torch.randn(bs * n, heads, dim)
+        plan = ragged_verify_plan(r2t, torch.arange(bs), seq, n, mask.view(-1), real, counts)
+        assert plan.dense == (len(set(counts)) == 1)
+        got = attend(plan, q[index], k_buf, v_buf, 0.3, torch.zeros(index.numel(), heads, dim))
+        indexed = ragged_verify_plan(r2t, torch.arange(bs), seq, n, mask.view(-1), real, counts)
+        indexed.dense = False
+        assert torch.equal(got, attend(indexed, q[index], k_buf, v_buf, 0.3, torch.zeros(index.numel(), heads, dim)))
+        full = attend(verify_plan(r2t, torch.arange(bs), seq, n, mask.view(-1)), q, k_buf, v_buf, 0.3,
+                      torch.zeros(bs * n, heads, dim))
+        torch.testing.assert_close(got, full[index])
+
+
+def _is_ancestor(parents: torch.Tensor, a: int, q: int) -> bool:
+    """Whether node a is q or an ancestor of q."""
+    while q >= 0:
+        if q == a:
+            return True
+        q = int(parents[q])
+    return False
+
+
 def _options(rng, ids_nodes_depths):
     from entmtp_sglang.policy.budget import RequestOptions, TreeOption
     opts = [TreeOption(0, 1, 0, 1.0)]

@@ -144,7 +144,8 @@ def ragged_verify_plan(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
     mask = full.mask.gather(1, order[:, :, None].expand(bs, q, full.mask.shape[2]))
     starts = torch.cumsum(counts_t, 0) - counts_t
     q_idx = torch.where(q_valid, starts[:, None] + j[None, :], 0)
-    return _Plan(full.kv_idx, mask, q_idx, q_valid)
+    # every row as long as the longest (batch 1 always): the packed queries are exactly bs x Q in order, a view
+    return _Plan(full.kv_idx, mask, q_idx, q_valid, dense=all(c == q for c in counts))
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from ...kernels import tree_ancestor_mask
 class _Plan:
     """Per-forward gather plan: query rows x keys, shared by every layer of one forward."""
 
-    __slots__ = ("kv_idx", "mask", "q_idx", "q_valid", "dense")
+    __slots__ = ("kv_idx", "mask", "q_idx", "q_valid", "dense", "_bias", "_write")
 
     def __init__(self, kv_idx: torch.Tensor, mask: torch.Tensor | None, q_idx: torch.Tensor, q_valid: torch.Tensor,
                  dense: bool = False):
@@ -26,6 +26,27 @@ class _Plan:
         # the flat queries are exactly the R x Q rows in order (q_idx == arange, none padded), known from how the
         # plan was built (decode, verify, draft rows): read and written as a view, without index copies
         self.dense = dense
+        self._bias: torch.Tensor | None = None                    # the mask as SDPA's additive bias, made once
+        self._write: tuple[torch.Tensor, torch.Tensor] | None = None   # (rows of the R x Q output, their slots in out)
+
+    def bias(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """(R, 1, Q, L) additive mask (0 visible, -inf hidden) in `dtype`, made on the first layer and reused by
+        every other layer of the forward (SDPA otherwise turns the bool mask into this on every call; the result is
+        the bool mask's bit for bit)."""
+        if self.mask is None:
+            return None
+        if self._bias is None or self._bias.dtype != dtype:
+            self._bias = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device).masked_fill_(
+                ~self.mask, float("-inf"))[:, None]
+        return self._bias
+
+    def write_index(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """For an indexed (not dense) plan: which of the R x Q output rows are real queries, and the flat query
+        each is written to, made once per forward."""
+        if self._write is None:
+            flat = self.q_valid.reshape(-1)
+            self._write = (flat.nonzero().reshape(-1), self.q_idx.reshape(-1)[flat])
+        return self._write
 
 
 def _ragged_rows(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, lens: torch.Tensor):
@@ -114,11 +135,12 @@ def attend(plan: _Plan, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tenso
     if kk.dtype != qq.dtype:
         kk, vv = kk.to(qq.dtype), vv.to(qq.dtype)
     o = scaled_dot_product_attention(qq.transpose(1, 2), kk.transpose(1, 2), vv.transpose(1, 2),
-                                     attn_mask=None if plan.mask is None else plan.mask[:, None], scale=scaling,
+                                     attn_mask=plan.bias(qq.dtype), scale=scaling,
                                      enable_gqa=H != kk.shape[2])
     o = o.transpose(1, 2)                                  # (R, Q, H, Dv)
     if dense:
         out.view(R, Q, *out.shape[1:]).copy_(o)
     else:
-        out[plan.q_idx[plan.q_valid]] = o[plan.q_valid].to(out.dtype)
+        rows, slots = plan.write_index()
+        out.index_copy_(0, slots, o.reshape(R * Q, *o.shape[2:]).index_select(0, rows).to(out.dtype))
     return out
