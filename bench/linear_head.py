@@ -84,6 +84,9 @@ def main(argv=None) -> int:
     shapes = {name: ws[0] for name, ws in layers.items()}
     shapes["output layer"] = bundle.target.lm_head_weight
     shapes["draft output layer"] = bundle.target.lm_head_weight[:8192]  # the EAGLE drafter's 8,192-token vocabulary
+    fc = getattr(bundle.drafter, "fc", None)   # EAGLE's fc (a torch Linear inside SGLang: `pack_torch_linears`)
+    if fc is not None:
+        shapes["drafter fc"] = fc.weight.detach()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     cpu = fewrow._cpu_key().split("|")[1]

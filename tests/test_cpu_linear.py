@@ -103,3 +103,29 @@ def test_the_fast_path_follows_the_weight_and_the_input(monkeypatch):
     layer.float()
     cpu_linear.linear_apply(_original(calls), None, layer, x)   # autograd on
     assert calls == [layer, layer]
+
+
+def test_a_drafters_torch_linear_layers_take_the_packed_path(path, monkeypatch):
+    """`pack_torch_linears`: the plain `torch.nn.Linear` layers SGLang builds in a drafter (EAGLE's `fc`) take the
+    machine's path, batch-invariantly, and `F.linear` where it does not apply (autograd); only on the CPU engine and
+    where the machine's path is not `F.linear` itself."""
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(1152, 576), torch.nn.ReLU(), torch.nn.Linear(576, 64, bias=False))
+    x = torch.randn(6, 1152)
+    with torch.inference_mode():
+        before = model(x)
+    monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
+    assert cpu_linear.pack_torch_linears(model) == 0
+    monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
+    assert cpu_linear.pack_torch_linears(model) == 2
+    assert cpu_linear.pack_torch_linears(model) == 0     # once
+    with torch.inference_mode():
+        out, alone = model(x), model(x[2:3])
+    assert torch.equal(out[2:3], alone)
+    torch.testing.assert_close(out, before, rtol=1e-4, atol=1e-5)
+    assert model[0].__dict__["_entmtp_packed"] is not None
+    y = model(x.requires_grad_())                     # autograd: F.linear, gradients as before
+    y.sum().backward()
+    assert x.grad is not None and x.grad.shape == x.shape
+    monkeypatch.setattr(L, "choose_path", lambda: "torch")
+    assert cpu_linear.pack_torch_linears(torch.nn.Linear(4, 4)) == 0

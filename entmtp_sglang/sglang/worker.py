@@ -67,6 +67,7 @@ from ..policy.signals import draft_signal, least_predictable, top_probs
 from ..tree.acceptance import AcceptancePredictor
 from . import grammar_draft, observe, visibility
 from .config import ENV_PROFILE, ENV_TREE_TRACE, EntMtpConfig, pin_of
+from .cpu import linear as cpu_linear
 from .cpu.attention import NAME as ATTENTION_NAME
 from .cpu.attention import RAGGED_ATTR, MultiStepDraftBackend, TorchTreeAttnBackend
 from .forced_draft import ForcedDraft, ForcedStep, token_threshold
@@ -201,6 +202,8 @@ class EntMtpWorker(EAGLEWorkerV2):
                                        self.config.log_interval_s, self.signal)
         dw = self._draft_worker
         if dw is not None:
+            # the drafter's torch linear layers (EAGLE's fc) on the CPU engine's packed path, as SGLang's own layers
+            cpu_linear.pack_torch_linears(dw.draft_runner.model)
             # every patch of an SGLang object goes through patches.INSTANCE_PATCHES (its parameters checked)
             patch_instance(dw, "draft_forward", self._draft_forward_tree)
 

@@ -89,6 +89,37 @@ def lm_head(original, self, hidden_states, lm_head, embedding_bias=None, **kwarg
     return original(self, hidden_states, lm_head, embedding_bias, **kwargs)
 
 
+def _plain_module_forward(module, x):
+    """A `torch.nn.Linear`'s forward through the packed path where it applies, else `F.linear` as before."""
+    bias = module.bias
+    if _plain_weight(module) and applies(x, module.weight, *(() if bias is None else (bias,))):
+        cache = _packed(module)
+        out = packed_linear(x, cache.get((module.weight,)), bias)
+        _announce(cache)
+        return out
+    return torch.nn.functional.linear(x, module.weight, bias)
+
+
+def pack_torch_linears(model) -> int:
+    """`model`'s plain `torch.nn.Linear` layers through the same path as SGLang's own linear layers: the EAGLE and
+    EAGLE-3 drafters' `fc` (which SGLang builds as a torch module, out of the hooks' reach) ran as `F.linear`, about
+    six times one row's cost for 4-8 rows and not batch-invariant, in every draft level and draft extend. Their
+    `forward` becomes an instance attribute; returns how many were taken. Nothing where the machine's path is
+    `F.linear` itself, or off the CPU engine (as `register_hooks`)."""
+    import os
+
+    from ...model import linear as packed
+
+    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1" or packed.choose_path() == "torch":
+        return 0
+    n = 0
+    for module in model.modules():
+        if type(module) is torch.nn.Linear and "forward" not in module.__dict__:
+            module.forward = _plain_module_forward.__get__(module)
+            n += 1
+    return n
+
+
 def register_hooks(check_signature) -> None:
     """Install both hooks (CPU engine only; where the machine's path is `F.linear` itself, SGLang's layers stay)."""
     import os
