@@ -90,17 +90,14 @@ def _allowed(words: torch.Tensor, index: _BitIndex) -> torch.Tensor:
     return inside & ((words[torch.where(inside, index.word, 0)] >> index.shift) & 1).bool()
 
 
-_INDEX: dict = {}   # id(token map) -> (the map, its _BitIndex), kept for the server's life
+_INDEX: list = [None, None]   # the server's token map and its _BitIndex (one map a server; the map kept alive)
 
 
 def _index_of(hot: torch.Tensor) -> _BitIndex:
     """The bit index of a draft vocabulary's map, made on first use."""
-    got = _INDEX.get(id(hot))
-    if got is None or got[0] is not hot:
-        if len(_INDEX) > 16:
-            _INDEX.clear()
-        got = _INDEX[id(hot)] = (hot, _BitIndex(hot))
-    return got[1]
+    if _INDEX[0] is not hot:
+        _INDEX[:] = [hot, _BitIndex(hot)]
+    return _INDEX[1]
 
 
 def masked_logits(logits: torch.Tensor, grammar, bitmask: torch.Tensor, hot: torch.Tensor | None = None

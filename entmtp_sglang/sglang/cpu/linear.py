@@ -89,28 +89,32 @@ def lm_head(original, self, hidden_states, lm_head, embedding_bias=None, **kwarg
     return original(self, hidden_states, lm_head, embedding_bias, **kwargs)
 
 
+def _torch_linear(_self, layer, x, bias=None):
+    return torch.nn.functional.linear(x, layer.weight, bias)
+
+
 def _plain_module_forward(module, x):
-    """A `torch.nn.Linear`'s forward through the packed path where it applies, else `F.linear` as before."""
-    bias = module.bias
-    if _plain_weight(module) and applies(x, module.weight, *(() if bias is None else (bias,))):
-        cache = _packed(module)
-        out = packed_linear(x, cache.get((module.weight,)), bias)
-        _announce(cache)
-        return out
-    return torch.nn.functional.linear(x, module.weight, bias)
+    """A `torch.nn.Linear`'s forward as `linear_apply` takes SGLang's layers (its cached fast path included), `F.linear`
+    where the packed path does not apply."""
+    return linear_apply(_torch_linear, None, module, x, module.bias)
+
+
+def _packing_here() -> bool:
+    """The CPU engine, on a machine whose chosen path is not `F.linear` itself: where the layers are taken."""
+    import os
+
+    from ...model import linear as packed
+
+    return os.environ.get("SGLANG_USE_CPU_ENGINE", "0") == "1" and packed.choose_path() != "torch"
 
 
 def pack_torch_linears(model) -> int:
     """`model`'s plain `torch.nn.Linear` layers through the same path as SGLang's own linear layers: the EAGLE and
     EAGLE-3 drafters' `fc` (which SGLang builds as a torch module, out of the hooks' reach) ran as `F.linear`, about
     six times one row's cost for 4-8 rows and not batch-invariant, in every draft level and draft extend. Their
-    `forward` becomes an instance attribute; returns how many were taken. Nothing where the machine's path is
-    `F.linear` itself, or off the CPU engine (as `register_hooks`)."""
-    import os
-
-    from ...model import linear as packed
-
-    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1" or packed.choose_path() == "torch":
+    `forward` becomes an instance attribute; returns how many were taken. Nothing where `register_hooks` hooks
+    nothing."""
+    if not _packing_here():
         return 0
     n = 0
     for module in model.modules():
@@ -122,13 +126,7 @@ def pack_torch_linears(model) -> int:
 
 def register_hooks(check_signature) -> None:
     """Install both hooks (CPU engine only; where the machine's path is `F.linear` itself, SGLang's layers stay)."""
-    import os
-
-    from ...model import linear as packed
-
-    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1":
-        return
-    if packed.choose_path() == "torch":
+    if not _packing_here():
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
