@@ -83,9 +83,10 @@ def _add_generate(sub) -> None:
                    help="apply the grammar only when verifying (SGLang's behaviour); by default drafts "
                         "are masked too and illegal branches pruned")
     p.add_argument("--forced-spans", action="store_true",
-                   help="under a grammar, draft the text the grammar decides (its jump-forward string as the "
-                        "tokenizer spells it) below the tree's leaves without running the drafter; verified like "
-                        "any draft, so the output is unchanged")
+                   help="draft below the tree's leaves, without running the drafter, the text a grammar decides "
+                        "(its jump-forward string as the tokenizer spells it) and, where it decides nothing or "
+                        "there is no grammar, the request's own text repeating (lookup spans, as ENTMTP inside "
+                        "SGLang); verified like any draft, so the output is unchanged")
     p.add_argument("--max-span", type=int, default=16, metavar="N",
                    help="with --forced-spans: forced tokens per span at most (default: 16)")
 
@@ -130,8 +131,6 @@ def _generate(args) -> int:
     observer = getattr(chooser, "observe", None)
     try:
         grammars = _grammars(args, bundle, len(prompts))
-        if args.forced_spans and grammars is None:
-            raise ValueError("--forced-spans needs a grammar (--json-schema, --json, --regex or --ebnf)")
         forced = None
         if args.forced_spans:
             from .engine.forced import ForcedSpanConfig, ForcedSpans

@@ -380,3 +380,22 @@ class HistoryLookup:
             if e is not None:
                 return self.tokens[e + 1]
         return None
+
+
+class LookupOnly:
+    """A row without a grammar, as `ForcedSpans` reads a grammar: its spans are its own text repeating
+    (`HistoryLookup`), token by token while the lookup has a next token."""
+
+    def __init__(self, lookup: HistoryLookup):
+        self.lookup = lookup
+        self.last_guessed: tuple[bool, ...] = ()
+
+    def forced_span(self, path: list[int], spell, max_tokens: int) -> list[int]:
+        out: list[int] = []
+        while len(out) < max_tokens:
+            t = self.lookup(list(path) + out)
+            if t is None:
+                break
+            out.append(int(t))
+        self.last_guessed = (True,) * len(out)
+        return out

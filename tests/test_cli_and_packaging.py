@@ -177,7 +177,8 @@ def test_without_a_compiler_the_kernel_falls_back_with_one_clear_line(tmp_path):
 
 def test_generate_with_forced_spans_prints_the_same_text_and_their_stats(capsys):
     """`--forced-spans` drafts the grammar's decided text: the output is the one without it, and a line reports the
-    spans; without a grammar the flag is refused in one line."""
+    spans; without a grammar its spans are the request's own text repeating (lookup spans), the output again the
+    one without them."""
     base = ["generate", *TINY, "--prompt", "Give the record:", "--drafter", "eagle", "--max-new-tokens", "24",
             "--regex", r'\{"person": "[a-z]{1,6}", "age": [0-9]{1,2}\}']
     assert main(base) == 0
@@ -186,5 +187,11 @@ def test_generate_with_forced_spans_prints_the_same_text_and_their_stats(capsys)
     out = capsys.readouterr().out
     assert out.split("[stats]")[0] == plain
     assert "[forced] spans=" in out and "[forced] spans=0 " not in out and "share_of_output=" in out
-    assert main(["generate", *TINY, "--prompt", "x", "--forced-spans"]) == 2
-    assert "--forced-spans needs a grammar" in capsys.readouterr().err
+    free = ["generate", *TINY, "--prompt", "def f(x): return x\ndef g(x): return x\ndef h(x): return x\ndef",
+            "--drafter", "eagle", "--max-new-tokens", "24"]
+    assert main(free) == 0
+    plain = capsys.readouterr().out.split("[stats]")[0]
+    assert main(free + ["--forced-spans"]) == 0
+    out = capsys.readouterr().out
+    assert out.split("[stats]")[0] == plain
+    assert "[forced] spans=" in out

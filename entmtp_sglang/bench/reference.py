@@ -12,6 +12,11 @@
                      at all at a batch size where no tree in any signal bin is expected to beat plain
                      decoding, or where EntMTP ran slower than plain on the task's calibration prompts
     oracle-<d>       the best tree of that same set at every step, in hindsight (the ceiling)
+    static-<d>-spans, entmtp-<d>-spans
+                     the same with spans (`Engine.generate(forced_spans=...)`): below every leaf of a request's
+                     tree, and after its root on a step that rests the drafter, its own text repeating (lookup
+                     spans) and, under a grammar, the text the grammar decides; verified like any draft, as ENTMTP
+                     does inside SGLang by default
 
 <d> is medusa, hydra or eagle3 (SmolLM2's EAGLE-3, whose tree sets only SmolLM2 ships): the model's drafter of that
 kind, with its calibrated tree sets; eagle2-eagle uses the EAGLE drafter.
@@ -240,10 +245,12 @@ class Resources:
             self._plain_costs[key] = best
         return self._plain_costs[key]
 
-    def admits(self, drafter: str, task: str, batch_size: int, max_new_tokens: int, make_policy) -> tuple[bool, str]:
-        """Whether speculation with `make_policy()` beat plain decoding, measured: both generate
-        max_new_tokens for max(batch_size, 4) of the task's calibration prompts (never the test split),
-        batch_size at a time, interleaved, best of `cost_rounds`. Returns (faster, a note with the times).
+    def admits(self, drafter: str, task: str, batch_size: int, max_new_tokens: int, make_policy,
+               make_spans=None) -> tuple[bool, str]:
+        """Whether speculation with `make_policy()` (and the spans of `make_spans()`, where given) beat plain
+        decoding, measured: both generate max_new_tokens for max(batch_size, 4) of the task's calibration prompts
+        (never the test split), batch_size at a time, interleaved, best of `cost_rounds`. Returns (faster, a note
+        with the times).
 
         Why measure: the per-step prediction misses what a static batch adds. The engine computes every
         row until the batch's slowest request is done, and the drafter's first head costs a step even
@@ -264,7 +271,8 @@ class Resources:
                         self.engine(None).generate(chunk, max_new_tokens, static_chooser(Tree.chain(0)))
                     else:
                         policy = make_policy()
-                        self.engine(drafter).generate(chunk, max_new_tokens, policy, observer=policy.observe)
+                        self.engine(drafter).generate(chunk, max_new_tokens, policy, observer=policy.observe,
+                                                      forced_spans=make_spans() if make_spans else None)
                 best[name] = min(best[name], time.perf_counter() - t0)
         note = (f"measured on {n} calibration prompts: {best['entmtp']:.2f} s vs {best['plain']:.2f} s plain")
         return best["entmtp"] < best["plain"], note
@@ -340,14 +348,24 @@ class ReferenceSystem(System):
     engine = "reference"
     baseline = "plain"
 
-    def __init__(self, ctx: BenchContext, drafter: str | None):
+    def __init__(self, ctx: BenchContext, drafter: str | None, spans: bool = False):
         self.res = Resources.of(ctx)
         self.drafter = drafter
         self.batch_sizes: tuple[int, ...] = (1,)
+        self.with_spans = spans
+        self.spans = None   # the system's ForcedSpans (made in prepare; its acceptance kept across calls)
 
     def prepare(self, streams: TaskStreams, batch_sizes: tuple[int, ...], max_new_tokens: int) -> None:
         self.batch_sizes = tuple(sorted(set(self.batch_sizes) | set(batch_sizes)))
         self.res.engine(self.drafter)
+        if self.with_spans and self.spans is None:
+            self.spans = self.new_spans()
+
+    def new_spans(self):
+        """A fresh ForcedSpans for this model's tokenizer (its acceptance learned from nothing)."""
+        from ..engine.forced import ForcedSpans
+
+        return ForcedSpans.for_tokenizer(self.res.tokenizer)
 
     def make_chooser(self, streams: TaskStreams, stream_ids: list[int], batch_size: int, max_new_tokens: int):
         """A chooser for these streams; `.segment(j)` (if present) is called before each segment."""
@@ -366,7 +384,8 @@ class ReferenceSystem(System):
                 timed = TimedChooser(inner, len(ids))
                 observer = timed.observe if hasattr(inner, "observe") else None
                 t0 = time.perf_counter()
-                results = engine.generate(prompts, max_new_tokens, timed, observer=observer)
+                results = engine.generate(prompts, max_new_tokens, timed, observer=observer,
+                                          forced_spans=None if chooser is PLAIN_ONLY else self.spans)
                 call = time.perf_counter() - t0
                 for k, (i, r) in enumerate(zip(ids, results)):
                     depths = timed.depths[k]
@@ -374,7 +393,7 @@ class ReferenceSystem(System):
                              for n, s in enumerate(r.steps)]
                     out.append(RequestOutcome(
                         stream=i, segment=j, output_ids=list(r.output_ids), steps=len(r.steps),
-                        accepted_drafts=sum(s.accepted for s in r.steps),
+                        accepted_drafts=sum(getattr(s, "accepted_all", s.accepted) for s in r.steps),
                         verified_tokens=sum(s.num_nodes for s in r.steps), seconds=call / len(ids),
                         call_seconds=call, trees=dict(Counter(s.tree for s in r.steps)),
                         policy_seconds=timed.seconds[k], trace=trace))
@@ -432,7 +451,7 @@ class _EntMTP(ReferenceSystem):
         """Admission at this batch size, once per run: predicted (`selector.speculation_pays`: some tree
         in some signal bin beats a plain step), then measured (EntMTP faster than plain decoding on the
         task's calibration prompts, see `Resources.admits`)."""
-        key = ("entmtp-admits", self.drafter, task, batch_size, max_new_tokens)
+        key = ("entmtp-admits", self.drafter, task, batch_size, max_new_tokens, self.with_spans)
         cache = self.res.ctx.cache
         if key not in cache:
             ts = self.res.tree_set(self.drafter, task, self.batch_sizes)
@@ -440,8 +459,9 @@ class _EntMTP(ReferenceSystem):
                 cache[key], why = False, "no tree is expected to beat a plain step"
             else:
                 cache[key], why = self.res.admits(self.drafter, task, batch_size, max_new_tokens,
-                                                  lambda: entmtp_policy(ts))
-            self.res.ctx.log(f"[entmtp-{self.drafter}/{task}] batch {batch_size}: "
+                                                  lambda: entmtp_policy(ts),
+                                                  self.new_spans if self.with_spans else None)
+            self.res.ctx.log(f"[{self.name}/{task}] batch {batch_size}: "
                              f"{'speculate' if cache[key] else 'plain decoding'} ({why})")
         return cache[key]
 
@@ -491,6 +511,13 @@ for _kind, (_cls, _desc) in _KINDS.items():
     for _drafter, _name in _DRAFTER_NAMES.items():
         register_system(f"{_kind}-{_drafter}", "reference", f"{_desc}; {_name} drafter")(
             lambda ctx, c=_cls, d=_drafter, desc=_desc, n=_name: _with_desc(c(ctx, d), f"{desc}; {n} drafter"))
+_SPANS = " (with spans: the request's own text repeating, and a grammar's decided text, below every leaf)"
+for _kind in ("static", "entmtp"):
+    _cls, _desc = _KINDS[_kind]
+    for _drafter, _name in _DRAFTER_NAMES.items():
+        register_system(f"{_kind}-{_drafter}-spans", "reference", f"{_desc}; {_name} drafter{_SPANS}")(
+            lambda ctx, c=_cls, d=_drafter, desc=_desc, n=_name: _with_desc(c(ctx, d, spans=True),
+                                                                            f"{desc}; {n} drafter{_SPANS}"))
 register_system("eagle2-eagle", "reference", f"{_KINDS['eagle2'][1]}; EAGLE drafter")(
     lambda ctx: _with_desc(_Eagle2(ctx, "eagle"), f"{_KINDS['eagle2'][1]}; EAGLE drafter"))
 

@@ -23,7 +23,7 @@ from typing import Callable
 
 import torch
 
-from ..forced_spans import HistoryLookup
+from ..forced_spans import HistoryLookup, LookupOnly
 from ..grammar import GrammarDraftMasks
 from ..model.llama import LlamaForCausalLM
 from ..policy.chooser import StepChooser, StepRecord, StepView
@@ -129,9 +129,11 @@ class Engine:
         verification, as in SGLang.
 
         `forced_spans` (`forced.ForcedSpans`): below every leaf of a constrained request's tree, the text its
-        grammar alone decides there, as the tokenizer spells it, verified like any draft; a request whose span
-        after the root is worth its tree's depth drafts nothing that step (`forced.py`). Each result's `forced`
-        counts them and its steps are `forced.ForcedStepRecord`s."""
+        grammar alone decides there, as the tokenizer spells it, verified like any draft; with its `lookup` on,
+        where the grammar decides nothing, and on every request without a grammar, the request's own text
+        repeating (lookup spans, `forced_spans.LookupOnly`: as ENTMTP does inside SGLang by default). A request
+        whose span after the root is worth its tree's depth drafts nothing that step (`forced.py`). Each result's
+        `forced` counts them and its steps are `forced.ForcedStepRecord`s."""
         for p in prompts:
             self.check_request(p, max_new_tokens)
         gen = torch.Generator().manual_seed(seed)
@@ -176,6 +178,7 @@ class Engine:
         feats = features[torch.arange(b), lens - 1]  # (B, D): the drafter's features of position L-1
         rests = getattr(chooser, "rests", None)
         deferred = []  # the drafter's commits of the steps that rested it
+        free = [None] * b  # the lookup spans of each request without a grammar (`_forced_step`)
 
         while any(active):
             t0 = time.perf_counter()
@@ -183,7 +186,7 @@ class Engine:
                 feats, roots, commit = self._plain_step(feats, roots, lens, cache, sampling, gen, grammars,
                                                         active, results, max_new_tokens, t0, capture,
                                                         self._forced_step(forced_spans, grammars, active, results,
-                                                                          lens, max_new_tokens))
+                                                                          lens, max_new_tokens, free))
                 deferred.append(commit)
                 continue
             if deferred:
@@ -193,7 +196,7 @@ class Engine:
             if observer is not None:  # after the grammar mask: it sees what the choosers' views carry
                 observer(state, lens, drafting, active)
             views, chosen = self._choose_trees(chooser, state, results, active, lens, drafting)
-            forced = self._forced_step(forced_spans, grammars, active, results, lens, max_new_tokens)
+            forced = self._forced_step(forced_spans, grammars, active, results, lens, max_new_tokens, free)
             only = forced.forced_only_rows(chosen) if forced is not None else set()
             drafted = [Tree.chain(0) if i in only else t for i, t in enumerate(chosen)]
             restage = chooser.restage if getattr(chooser, "staged", False) else None
@@ -291,16 +294,24 @@ class Engine:
             r.output_ids.extend(new)
             active[i] = not self._finished(r, max_new_tokens, grammars[i])
 
-    def _forced_step(self, spans: ForcedSpans | None, grammars, active, results, lens, max_new_tokens
+    def _forced_step(self, spans: ForcedSpans | None, grammars, active, results, lens, max_new_tokens, free: list
                      ) -> ForcedStep | None:
-        """This step's forced spans (None without `forced_spans` or grammars). A request may verify as many
-        levels below its root as fit before the context limit and are still wanted (max_new_tokens)."""
-        if spans is None or all(g is None for g in grammars):
+        """This step's forced spans (None without `forced_spans`, or without grammars and lookup spans). A request
+        may verify as many levels below its root as fit before the context limit and are still wanted
+        (max_new_tokens). `free[i]`: request i's lookup spans where it has no grammar (`LookupOnly`, made on first
+        use and kept from step to step)."""
+        if spans is None or (not spans.config.lookup and all(g is None for g in grammars)):
             return None
         room = [max(0, min(self.context - int(lens[i]) - 1, max_new_tokens - len(r.output_ids) - 1))
                 for i, r in enumerate(results)]
-        for g, r in zip(grammars, results):
+        sources = list(grammars)
+        for i, (g, r) in enumerate(zip(grammars, results)):
             if g is None:
+                if spans.config.lookup and active[i]:   # no grammar: its spans are its own text repeating
+                    if free[i] is None:
+                        free[i] = LookupOnly(HistoryLookup())
+                    free[i].lookup.sync(r.prompt_ids, r.output_ids)
+                    sources[i] = free[i]
                 continue
             if spans.config.lookup:   # lookup spans: each constrained request's text, indexed as its output grows
                 if getattr(g, "lookup", None) is None:
@@ -310,7 +321,7 @@ class Engine:
                 if getattr(g, "join", None) is None:
                     g.join = spans.ends.request()
                 g.join.sync(r.output_ids)
-        return ForcedStep(spans, grammars, active, [r.forced for r in results], room)
+        return ForcedStep(spans, sources, active, [r.forced for r in results], room)
 
     # ------------------------------------------------------------------------------------------
     def _finished(self, r: RequestResult, max_new_tokens: int, grammar=None) -> bool:

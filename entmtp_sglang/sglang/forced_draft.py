@@ -43,6 +43,7 @@ from ..forced_spans import (
     ForcedSpans,
     ForcedStats,
     HistoryLookup,
+    LookupOnly,
     RequestSpanEnds,
     extend_tree,
 )
@@ -123,25 +124,6 @@ class SGLangGrammar:
         out = jump_forward_span(self.grammar.matcher, path, spell, max_tokens, self.vocab_size, self.lookup, guessed,
                                 self.join)
         self.last_guessed = tuple(guessed)
-        return out
-
-
-class LookupOnly:
-    """A row without a grammar, as `ForcedSpans` reads a grammar: its spans are its own text repeating
-    (`HistoryLookup`), token by token while the lookup has a next token."""
-
-    def __init__(self, lookup: HistoryLookup):
-        self.lookup = lookup
-        self.last_guessed: tuple[bool, ...] = ()
-
-    def forced_span(self, path: list[int], spell, max_tokens: int) -> list[int]:
-        out: list[int] = []
-        while len(out) < max_tokens:
-            t = self.lookup(list(path) + out)
-            if t is None:
-                break
-            out.append(int(t))
-        self.last_guessed = (True,) * len(out)
         return out
 
 
