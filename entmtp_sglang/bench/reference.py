@@ -18,8 +18,8 @@
                      spans) and, under a grammar, the text the grammar decides; verified like any draft, as ENTMTP
                      does inside SGLang by default
 
-<d> is medusa, hydra or eagle3 (SmolLM2's EAGLE-3, whose tree sets only SmolLM2 ships): the model's drafter of that
-kind, with its calibrated tree sets; eagle2-eagle uses the EAGLE drafter.
+<d> is medusa, hydra, eagle or eagle3 (SmolLM2's EAGLE-3, whose tree sets only SmolLM2 ships): the model's drafter of
+that kind, with its calibrated tree sets (EAGLE's: the mixed task's on the bundled model, every task's on SmolLM2).
 """
 
 from __future__ import annotations
@@ -506,7 +506,7 @@ _KINDS = {
     "oracle": (_Oracle, "best tree of the EntMTP set at every step, in hindsight (ceiling)"),
 }
 assert set(_KINDS) <= set(POLICIES), "every reference system kind is a policy of policy/registry.py"
-_DRAFTER_NAMES = {"medusa": "medusa", "hydra": "hydra", "eagle3": "EAGLE-3"}
+_DRAFTER_NAMES = {"medusa": "medusa", "hydra": "hydra", "eagle": "EAGLE", "eagle3": "EAGLE-3"}
 for _kind, (_cls, _desc) in _KINDS.items():
     for _drafter, _name in _DRAFTER_NAMES.items():
         register_system(f"{_kind}-{_drafter}", "reference", f"{_desc}; {_name} drafter")(
@@ -518,8 +518,6 @@ for _kind in ("static", "entmtp"):
         register_system(f"{_kind}-{_drafter}-spans", "reference", f"{_desc}; {_name} drafter{_SPANS}")(
             lambda ctx, c=_cls, d=_drafter, desc=_desc, n=_name: _with_desc(c(ctx, d, spans=True),
                                                                             f"{desc}; {n} drafter{_SPANS}"))
-register_system("eagle2-eagle", "reference", f"{_KINDS['eagle2'][1]}; EAGLE drafter")(
-    lambda ctx: _with_desc(_Eagle2(ctx, "eagle"), f"{_KINDS['eagle2'][1]}; EAGLE drafter"))
 
 
 def _with_desc(system: System, description: str) -> System:
