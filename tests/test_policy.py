@@ -385,13 +385,17 @@ def test_entmtp_system_runs_without_drafter_unless_speculation_pays():
 
     ts = _compute_bound_set()
     measured = {1: True, 32: True}
+    spans_given = []
 
-    def system():
+    def admits(d, t, b, n, make, make_spans=None):
+        spans_given.append(make_spans is not None)
+        return measured[b], "measured"
+
+    def system(spans: bool = False):
         s = reference._EntMTP.__new__(reference._EntMTP)
-        s.drafter, s.batch_sizes = "hydra", (1, 32)
+        s.drafter, s.batch_sizes, s.with_spans = "hydra", (1, 32), spans
         s.res = SimpleNamespace(ctx=SimpleNamespace(cache={}, log=lambda msg: None), tree_set=lambda *a: ts,
-                                plain_cost=lambda b: {1: 0.0105, 32: 0.1}[b],
-                                admits=lambda d, t, b, n, make: (measured[b], "measured"))
+                                plain_cost=lambda b: {1: 0.0105, 32: 0.1}[b], admits=admits)
         return s
 
     streams = SimpleNamespace(task="code")
@@ -401,6 +405,11 @@ def test_entmtp_system_runs_without_drafter_unless_speculation_pays():
     # predicted to pay, but measured slower than plain decoding: no drafter either
     measured[1] = False
     assert system().make_chooser(streams, [0], 1, 16) is reference.PLAIN_ONLY
+    # a -spans system is measured with its spans
+    assert spans_given == [False, False]
+    measured[1] = True
+    assert isinstance(system(spans=True).make_chooser(streams, [0], 1, 16), EntMTPPolicy)
+    assert spans_given == [False, False, True]
 
 
 def test_cost_is_that_of_every_row_the_engine_computes():

@@ -347,6 +347,8 @@ class ReferenceSystem(System):
 
     engine = "reference"
     baseline = "plain"
+    with_spans = False   # the `-spans` systems: spans below every request's tree (`spans`, made in prepare)
+    spans = None
 
     def __init__(self, ctx: BenchContext, drafter: str | None, spans: bool = False):
         self.res = Resources.of(ctx)
@@ -460,8 +462,8 @@ class _EntMTP(ReferenceSystem):
             else:
                 cache[key], why = self.res.admits(self.drafter, task, batch_size, max_new_tokens,
                                                   lambda: entmtp_policy(ts),
-                                                  self.new_spans if self.with_spans else None)
-            self.res.ctx.log(f"[{self.name}/{task}] batch {batch_size}: "
+                                                  make_spans=self.new_spans if self.with_spans else None)
+            self.res.ctx.log(f"[{self.name or 'entmtp-' + self.drafter}/{task}] batch {batch_size}: "
                              f"{'speculate' if cache[key] else 'plain decoding'} ({why})")
         return cache[key]
 
