@@ -1,8 +1,9 @@
 """The product benchmark: ENTMTP as `make serve` starts it against stock SGLang, plain SGLang with this package
 installed, SGLang's EAGLE (the static grid) and `--speculative-adaptive`, on SmolLM2-135M-Instruct on this CPU.
 
-    .venv/bin/python bench/sglang_speed.py                  # about 25 minutes; writes bench/results/sglang_speed.*
+    .venv/bin/python bench/sglang_speed.py                  # 50-120 minutes on 2 cores; bench/results/sglang_speed.*
     .venv/bin/python bench/sglang_speed.py --render bench/results/sglang_speed.jsonl.gz  # the table again, no servers
+    .venv/bin/python bench/sglang_speed.py --render bench/results/sglang_speed.jsonl.gz --headline  # README's tables
     .venv/bin/python bench/sglang_speed.py --tasks code --batches 1 --per-task 2 --max-new-tokens 8 --repeats 1
         --systems plain,entmtp --out /tmp/smoke      # a smoke run (a few minutes): stock, plain and ENTMTP, code
 
@@ -54,7 +55,11 @@ from entmtp_sglang.bench.sglang_benchmark import (
     Row,
     SystemSpec,
     baseline_of,
+    best_paired,
     machine,
+    meta_from_jsonl,
+    over_best,
+    paired_ratio,
     rows_from_jsonl,
     run_workloads,
     sglang_layers,
@@ -300,6 +305,90 @@ def tables(rows: list[Row], meta: dict | None = None) -> str:
     return text + (f"\n\n{per_label}" if per_label else "")
 
 
+# the README headline's first table: each system's line, in this order (others by name, after them)
+HEADLINE_LABELS = {
+    STOCK.name: "stock SGLang, plain decoding",
+    PLAIN.name: "plain SGLang with this package installed (its CPU linear layers and row-wise ops)",
+    ADAPTIVE.name: "SGLang's EAGLE, `--speculative-adaptive` (steps 3, top-k 1{layers})",
+    "best static": ("SGLang's EAGLE, the best static setting in hindsight (`{setting}`, best by the paired "
+                    "ratio{layers})"),
+    ENTMTP.name: "**ENTMTP**, `--speculative-algorithm ENTMTP` with `make serve`'s flags",
+    ENTMTP_EAGLE3.name: "ENTMTP with SmolLM2's EAGLE-3 drafter (`--speculative-draft-model-path .../eagle3`)",
+    ENTMTP_NO_LOOKUP.name: "ENTMTP without lookup spans (`ENTMTP_LOOKUP_SPANS=0`: no request's own repeats as drafts)",
+}
+# the second table's columns: ENTMTP over stock on each workload
+HEADLINE_TASKS = (("code", "code"), ("chat", "chat"), ("prose", "prose"), ("json", "JSON, schema"),
+                  ("tool-call", "tool call, schema"), ("json-compact", "JSON, compact"),
+                  ("tool-call-compact", "tool call, compact"), ("mixed", "mixed"), ("mixed-batch", "mixed batch"))
+
+
+def rendered(path: Path, batches=(1, 4)) -> list[Row]:
+    """A run's rows from its JSON lines, the mixed stream at `batches` summed again from the tasks' rows."""
+    rows = [r for r in rows_from_jsonl(path) if not (r.task == "mixed" and r.batch in batches)]
+    return rows + mixed_rows(rows, batches)
+
+
+def _x(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}x"
+
+
+def headline(rows: list[Row], meta: dict | None = None) -> str:
+    """The README's headline tables from a run's rows (`--render JSONL --headline`; the README carries them as
+    printed, and a test checks that they are the committed run's): the systems at batch 1 on the mixed stream, then
+    ENTMTP against stock SGLang per workload and batch size, against plain with the package, and its paired ratio
+    over adaptive and the best static EAGLE setting (`over_best`)."""
+    meta = meta or {}
+    base = {(r.task, r.batch): r for r in rows if r.system == STOCK.name}
+    by = {(r.system, r.task, r.batch): r for r in rows}
+    on = {(meta.get("layers") or {}).get(s.name) for s in EAGLE_SGLANG_LAYERS} - {None}
+    layers = "; SGLang's own layers" if on == {"sglang"} else "; this package's layers" if on == {"package"} else ""
+
+    def pair(system: str, task: str, b: int) -> tuple[float | None, float | None]:
+        r, s = by.get((system, task, b)), base.get((task, b))
+        if r is None or s is None:
+            return None, None
+        return r.tokens_per_s / s.tokens_per_s, paired_ratio(r, s)
+
+    def cell(system: str, task: str, b: int) -> str:
+        ratio, paired = pair(system, task, b)
+        return "" if ratio is None else f"{_x(ratio)} ({_x(paired) or '-'})"
+
+    statics = [s.name for s in EAGLE_GRID if any(r.system == s.name for r in rows)]
+
+    lines = ["| system (batch 1, mixed workloads) | tok/s | vs stock SGLang (paired) |", "|---|---|---|"]
+    names = list(dict.fromkeys(r.system for r in rows if r.task == "mixed" and r.batch == 1))
+    order = [n for n in HEADLINE_LABELS if n in names or n == "best static"]
+    order += [n for n in names if n not in HEADLINE_LABELS and n not in statics]
+    for name in order:
+        setting = (best_paired(rows, statics, "mixed", 1) or (None, None))[1] if name == "best static" else None
+        if name == "best static" and setting is None:
+            continue
+        system = setting or name
+        r = by[(system, "mixed", 1)]
+        label = HEADLINE_LABELS.get(name, f"`{name}`").format(setting=(setting or "").removeprefix("eagle-"),
+                                                               layers=layers)
+        tps, ratio = f"{r.tokens_per_s:.1f}", cell(system, "mixed", 1)
+        if name == ENTMTP.name:
+            tps, ratio = f"**{tps}**", f"**{ratio}**"
+        lines.append(f"| {label} | {tps} | {ratio} |")
+
+    def versus_best(task: str, b: int, others: list[str]) -> str:
+        return _x((over_best(rows, ENTMTP.name, others, task, b, STOCK.name) or (None,))[0])
+
+    head = ["batch", *(h for _, h in HEADLINE_TASKS), "plain with the package (mixed)",
+            "mixed, ENTMTP vs plain with the package", "mixed vs adaptive", "mixed vs best static",
+            "mixed batch vs adaptive", "mixed batch vs best static"]
+    table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for b in sorted({r.batch for r in rows if r.system == ENTMTP.name}):
+        ent, plain = by.get((ENTMTP.name, "mixed", b)), by.get((PLAIN.name, "mixed", b))
+        cells = [str(b), *(cell(ENTMTP.name, t, b) for t, _ in HEADLINE_TASKS), cell(PLAIN.name, "mixed", b),
+                 _x(ent.tokens_per_s / plain.tokens_per_s) if ent and plain else "",
+                 versus_best("mixed", b, [ADAPTIVE.name]), versus_best("mixed", b, statics),
+                 versus_best("mixed-batch", b, [ADAPTIVE.name]), versus_best("mixed-batch", b, statics)]
+        table.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n\n" + "\n".join(table)
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x.strip())
 
@@ -342,12 +431,14 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     ap.add_argument("--render", type=Path, metavar="JSONL",
                     help="start no server: draw the Markdown table again from a run's JSON lines (into --out)")
+    ap.add_argument("--headline", action="store_true", help="with --render: print the README's headline tables "
+                    "from the run instead (the systems at batch 1 on the mixed stream; ENTMTP per workload and batch)")
     args = ap.parse_args()
     if args.render is not None:
-        rows = [r for r in rows_from_jsonl(args.render) if not (r.task == "mixed" and r.batch in args.batches)]
-        rows += mixed_rows(rows, args.batches)
-        first = args.render.read_text().splitlines()[:1]
-        meta = json.loads(first[0]) if first else {}
+        rows, meta = rendered(args.render, args.batches), meta_from_jsonl(args.render)
+        if args.headline:
+            print(headline(rows, meta))
+            return
         args.out.mkdir(parents=True, exist_ok=True)
         args.out.joinpath("sglang_speed.md").write_text(tables(rows, meta) + "\n")
         print(tables(rows, meta))

@@ -192,6 +192,40 @@ def test_the_mixed_stream_pairs_with_plain_run_beside_it_in_waves():
     assert "| mixed | 1 | 1.33x (eagle-s1-k1-n2) |  |" in text, text
 
 
+def test_the_readme_headline_is_the_committed_product_run():
+    """The README's headline tables are what `bench/sglang_speed.py --render ... --headline` draws from the committed
+    product run (bench/results/sglang_speed.jsonl.gz): a new run's file and the README change together."""
+    from entmtp_sglang.bench.sglang_benchmark import meta_from_jsonl
+
+    speed = load_script("sglang_speed")
+    path = ROOT / "bench" / "results" / "sglang_speed.jsonl.gz"
+    systems, per_batch = speed.headline(speed.rendered(path), meta_from_jsonl(path)).split("\n\n")
+    readme = (ROOT / "README.md").read_text()
+    assert systems.count("\n") >= 3 and "**ENTMTP**" in systems and "| 1 | " in per_batch
+    assert systems in readme, "README's first headline table is not the committed run's:\n" + systems
+    assert per_batch in readme, "README's per-workload headline table is not the committed run's:\n" + per_batch
+
+
+def test_the_headline_names_the_best_static_setting_and_skips_what_did_not_run():
+    from entmtp_sglang.bench.sglang_benchmark import Row
+
+    speed = load_script("sglang_speed")
+    rows = [Row("plain-stock", 1, 100, 10.0, requests=4, repeat_tokens_per_s=[10.0, 10.0], task="mixed"),
+            Row("entmtp", 1, 200, 10.0, requests=4, repeat_tokens_per_s=[20.0, 20.0], task="mixed",
+                plain_repeat_tokens_per_s=[10.0, 10.0]),
+            Row("eagle-s1-k1-n2", 1, 120, 10.0, requests=4, repeat_tokens_per_s=[12.0, 12.0], task="mixed",
+                plain_repeat_tokens_per_s=[10.0, 10.0]),
+            Row("eagle-s2-k1-n3", 1, 150, 10.0, requests=4, repeat_tokens_per_s=[15.0, 15.0], task="mixed",
+                plain_repeat_tokens_per_s=[10.0, 10.0])]
+    systems, per_batch = speed.headline(rows, {"layers": {"eagle-s1-k1-n2": "sglang", "eagle-s2-k1-n3": "sglang"}}
+                                        ).split("\n\n")
+    assert "(`s2-k1-n3`, best by the paired ratio; SGLang's own layers) | 15.0 | 1.50x (1.50x) |" in systems
+    assert "| **20.0** | **2.00x (2.00x)** |" in systems
+    assert "adaptive" not in systems and "plain SGLang with this package" not in systems
+    # ENTMTP over the best static setting (1.5x stock): 2.0 / 1.5
+    assert per_batch.splitlines()[2].startswith("| 1 |" + "  |" * 7 + " 2.00x (2.00x) |  |  |  |  | 1.33x |")
+
+
 def test_step_profile_pairs_each_step_with_the_plain_step_of_its_repeat_and_renders_again(tmp_path):
     import json
 

@@ -537,34 +537,54 @@ def versus(rows: list[Row], subject: str, others: dict[str, list[str]], baseline
     baseline (`baseline_of`) divided by the best paired ratio of each group (`others`: heading -> system names),
     which is named. Each paired ratio divides by the baseline measured beside it, so systems measured in different
     waves compare through the baseline."""
-    baseline = baseline or baseline_of(rows)
-    plain = {(r.task, r.batch): r for r in rows if r.system == baseline}
-    by = {(r.system, r.task, r.batch): r for r in rows}
     keys = list(dict.fromkeys((r.task, r.batch) for r in rows if r.system == subject))
     lines = ["| task | batch | " + " | ".join(f"{subject} vs {h}" for h in others) + " |",
              "|---|---|" + "---|" * len(others)]
     for task, b in keys:
-        base = plain.get((task, b))
-        mine = paired_ratio(by[(subject, task, b)], base) if base is not None else None
         cells = []
         for names in others.values():
-            theirs = [(paired_ratio(by[(n, task, b)], base), n) for n in names if (n, task, b) in by and base]
-            theirs = [(x, n) for x, n in theirs if x]
-            if mine is None or not theirs:
-                cells.append("")
-                continue
-            best, name = max(theirs)
-            cells.append(f"{mine / best:.2f}x ({name})")
+            got = over_best(rows, subject, names, task, b, baseline)
+            cells.append("" if got is None else f"{got[0]:.2f}x ({got[1]})")
         lines.append(f"| {task} | {b} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
+def best_paired(rows: list[Row], names, task: str, batch: int, baseline: str | None = None
+                ) -> tuple[float, str] | None:
+    """The best paired ratio to the baseline among the systems `names` on one task and batch size, and whose."""
+    baseline = baseline or baseline_of(rows)
+    base = next((r for r in rows if (r.system, r.task, r.batch) == (baseline, task, batch)), None)
+    if base is None:
+        return None
+    theirs = [(paired_ratio(r, base), r.system) for r in rows
+              if r.system in names and (r.task, r.batch) == (task, batch)]
+    theirs = [(x, n) for x, n in theirs if x]
+    return max(theirs) if theirs else None
+
+
+def over_best(rows: list[Row], subject: str, names, task: str, batch: int, baseline: str | None = None
+              ) -> tuple[float, str] | None:
+    """`subject`'s paired ratio to the baseline over the best of `names`' (`best_paired`), and that system."""
+    mine, theirs = best_paired(rows, (subject,), task, batch, baseline), best_paired(rows, names, task, batch, baseline)
+    return None if mine is None or theirs is None else (mine[0] / theirs[0], theirs[1])
+
+
+def _jsonl_text(path: Path) -> str:
+    path = Path(path)
+    return gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
+
+
+def meta_from_jsonl(path: Path) -> dict:
+    """A run's configuration and machine, as `write` put them on every line: the first line's (`.jsonl` or
+    `.jsonl.gz`); {} for an empty file."""
+    first = _jsonl_text(path).splitlines()[:1]
+    return json.loads(first[0]) if first else {}
+
+
 def rows_from_jsonl(path: Path) -> list[Row]:
     """The rows a run wrote with `write` (its Markdown can be drawn again from them); `.jsonl` or `.jsonl.gz`."""
-    path = Path(path)
-    text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" else path.read_text()
     out = []
-    for line in text.splitlines():
+    for line in _jsonl_text(path).splitlines():
         d = json.loads(line)
         if "system" not in d:
             continue
