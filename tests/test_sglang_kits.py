@@ -25,6 +25,7 @@ server's start).
 
 from __future__ import annotations
 
+import tempfile
 import unittest
 from pathlib import Path
 
@@ -62,7 +63,7 @@ class EntmtpCpuServer(SpecEagleServerBase):
         model = prep.prepare("smollm2", log=lambda m: None)
         cls.model = cls.target_model = str(model)
         cls._tokenizer = None
-        logs = Path(__import__("tempfile").mkdtemp(prefix="sglang-kits-"))
+        logs = Path(tempfile.mkdtemp(prefix="sglang-kits-"))
         cls.server = SGLangServer.cpu("ENTMTP", model=model, log_path=logs / "entmtp.log",
                                       extra=("--enable-return-hidden-states",))
         cls.server.start()
