@@ -149,26 +149,39 @@ def test_requests_joining_and_leaving_mid_run_equal_plain(servers):
 
 
 def test_a_radix_cache_hit_beside_other_requests_equals_plain(servers):
-    """The same long prefix twice, each time with two other requests in flight: the second time its prefill
-    comes from SGLang's radix cache (`cached_tokens`), and it decodes in a batch beside the others."""
+    """The same long prefix twice, each time joining two other requests already decoding: the second time its
+    prefill comes from SGLang's radix cache (`cached_tokens`), and it decodes in a batch beside the others. (It is
+    sent once the trace shows the others decoding, and they run a fixed 64 tokens (`ignore_eos`), so on a slow or
+    busy machine they cannot be prefilled, decoded and gone before it reaches the scheduler.)"""
     from entmtp_sglang.tasks import load_prompts
 
     plain, ent = servers
+    tag = uuid.uuid4().hex[:8]
     # a prefix of some 400 tokens, text no other test here sends
     prefix = "\n\n".join(it["prompt"] for task in ("prose", "math") for it in load_prompts(task, "test", 3))
     asks = ("\nIn one sentence, the text above says", "\nThe main point of the text above is")
-    every = _jobs(8)
-    rounds = [[{"text": prefix + asks[0], "sampling_params": {"temperature": 0, "max_new_tokens": 20}},
-               _short(every[1], 16), _short(every[2], 20)],
-              [{"text": prefix + asks[1], "sampling_params": {"temperature": 0, "max_new_tokens": 20}},
-               _short(every[5], 16), _short(every[7], 20)]]
+    every = _jobs(8)   # JSON, tool call, code, chat; twice: the others are the free-text ones
+    trace = ent.log_path.parent / "trace"
     got = []
-    for jobs in rounds:
-        reference = [plain.post("/generate", j)["output_ids"] for j in jobs]
+    for n, (ask, others) in enumerate(zip(asks, ((2, 3), (6, 7)))):
+        head = {"text": prefix + ask, "sampling_params": {"temperature": 0, "max_new_tokens": 20},
+                "rid": f"{tag}-{n}-prefix"}
+        beside = {f"{tag}-{n}-{k}": {"text": every[k]["text"], "rid": f"{tag}-{n}-{k}",
+                                     "sampling_params": {**every[k]["sampling_params"], "max_new_tokens": 64,
+                                                         "ignore_eos": True}} for k in others}
+        jobs = {**beside, head["rid"]: head}
+        reference = {rid: plain.post("/generate", {k: v for k, v in j.items() if k != "rid"})["output_ids"]
+                     for rid, j in jobs.items()}
         with cf.ThreadPoolExecutor(len(jobs)) as pool:
-            outs = list(pool.map(lambda j: ent.post("/generate", j), jobs))
-        _equal(outs, reference)
-        got.append(outs[0]["meta_info"])
+            running = {rid: pool.submit(ent.post, "/generate", j) for rid, j in beside.items()}
+            deadline = time.monotonic() + 300
+            while not any(rid in f.read_text() for f in trace.glob("trees-*.jsonl") for rid in beside):
+                assert time.monotonic() < deadline and not any(f.done() for f in running.values()), "no step traced"
+                time.sleep(0.02)
+            running[head["rid"]] = pool.submit(ent.post, "/generate", head)
+            outs = {rid: f.result() for rid, f in running.items()}
+        _equal([outs[r] for r in jobs], [reference[r] for r in jobs])
+        got.append(outs[head["rid"]]["meta_info"])
     (once, twice) = got
     print(f"prefix request: {once['prompt_tokens']} prompt tokens, cached {once['cached_tokens']} the first "
           f"time, {twice['cached_tokens']} the second")
