@@ -398,3 +398,35 @@ def test_forced_spans_and_the_compact_layout_in_the_product_table(tmp_path):
     assert "forced spans |" in text.splitlines()[2]
     assert "| json-compact | entmtp | 1 | 25.0 | 2.50x | 2.50x |" in text and "48% of tokens, 75% accepted, 8.0 a " \
         "span |" in text, text
+
+
+def test_long_context_documents_are_cut_to_whole_lines_within_the_budget_and_tabled_against_stock():
+    """bench/sglang_long_context.py: its documents come from SGLang's install (held out from every drafter's data),
+    each cut to whole lines within the context asked for; the table divides ENTMTP by stock per context and cache
+    state, paired per repeat."""
+    from transformers import AutoTokenizer
+
+    from entmtp_sglang.bench.sglang_benchmark import Row
+    from entmtp_sglang.model.load import BUNDLED_MODEL
+
+    pytest.importorskip("sglang")   # the documents come with SGLang's own dependencies
+    lc = load_script("sglang_long_context")
+    tok = AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
+    for dist, file, _ in lc.DOCUMENTS:
+        text = lc.document(dist, file)
+        head = lc.cut(tok, text, 300)
+        assert text.startswith(head) and text[len(head)] == "\n", (dist, file)
+        assert 150 < len(tok(head, add_special_tokens=False)["input_ids"]) <= 300, (dist, file)
+    with pytest.raises(SystemExit, match="under the context"):
+        lc.cut(tok, "one short line\n", 300)
+    rows = [Row("plain-stock", 1, 100, 10.0, requests=4, task="1024-cold", repeat_tokens_per_s=[10.0, 8.0],
+                prompt_tokens=4000, cached_tokens=4),
+            Row("plain-entmtp-attention", 1, 150, 10.0, requests=4, task="1024-cold",
+                repeat_tokens_per_s=[15.0, 16.0], plain_repeat_tokens_per_s=[10.0, 8.0]),
+            Row("entmtp", 1, 300, 10.0, [2.5], requests=4, task="1024-cold", repeat_tokens_per_s=[30.0, 20.0],
+                plain_repeat_tokens_per_s=[10.0, 8.0], equal_to_stock=4, lookup=[10, 40, 20], prompt_tokens=4000,
+                cached_tokens=3960)]
+    table = lc.table(rows, [1024, 4096])
+    assert ("| 1024 | cold | 0% / 99% | 10.0 | 15.0, 1.50x (1.75x) | 30.0 | 3.00x (2.75x) | 2.00x | 2.50 | 4/4 | "
+            "repeats: 7% of tokens, 50% accepted" in table), table
+    assert "| cached |" not in table and "| 4096 |" not in table   # what did not run has no row

@@ -281,6 +281,9 @@ class Row:
     forced: list[int] | None = None
     # lookup spans, the same from meta_info["entmtp_lookup"]: [steps with one, guessed repeats verified, accepted]
     lookup: list[int] | None = None
+    # the requests' prompt tokens and, of them, those SGLang's radix cache served (meta_info's cached_tokens)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -429,6 +432,8 @@ def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: in
               requests=len(outs), task=task)
     for i, o in enumerate(outs):
         m = o["meta_info"]
+        row.prompt_tokens += int(m.get("prompt_tokens") or 0)
+        row.cached_tokens += int(m.get("cached_tokens") or 0)
         if m.get("spec_verify_ct"):
             row.accept_lengths.append(m["spec_accept_length"])
         row.trees.update(m.get("entmtp_trees", []))
