@@ -39,6 +39,7 @@ from entmtp_sglang.bench.sglang_benchmark import (
     SystemSpec,
     machine,
     measure,
+    medians,
     paired_ratio,
     write,
 )
@@ -160,8 +161,8 @@ def main() -> None:
     work = {ctx: payloads(tokenizer, ctx, args.max_new_tokens) for ctx in contexts}
     kv = ("--max-total-tokens", str(2 * (max(contexts) + args.max_new_tokens) + 1024))   # a document and its answer
     systems = [dataclasses.replace(s, args=s.args + kv) for s in (STOCK, PLAIN_ENTMTP_ATTENTION, ENTMTP)]
-    runs: dict[tuple[str, str], list[Row]] = collections.defaultdict(list)
-    stock_tps: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+    runs: dict[tuple[str, str, int], list[Row]] = collections.defaultdict(list)
+    stock_tps: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
     reference: dict = {}
     stock: dict = {}
     t0 = time.time()
@@ -173,27 +174,20 @@ def main() -> None:
             for ctx in contexts:
                 for spec in systems:   # stock first: its outputs are the ones every other is compared with
                     srv = pool[spec.name]
-                    rows = {how: Row(spec.name, 1, 0, 0.0, task=f"{ctx}-{how}") for how in HOW}
+                    passes = [Row(spec.name, 1, 0, 0.0, task=f"{ctx}-{how}") for how in HOW]
                     for k, p in enumerate(work[ctx]):
                         srv.flush_cache()   # each document cold (its prefill in the time), then at once cached
-                        for how, row in rows.items():
+                        for row in passes:
                             add(row, measure(srv, spec, [p], 1, reference, f"{row.task}-{k}", stock))
-                    for how, row in rows.items():
-                        runs[(spec.name, row.task)].append(row)
+                    for row in passes:
+                        runs[(spec.name, row.task, 1)].append(row)
                         if spec.name == STOCK.name:
                             for other in systems[1:]:
-                                stock_tps[(other.name, row.task)].append(round(row.tokens_per_s, 2))
+                                stock_tps[(other.name, row.task, 1)].append(round(row.tokens_per_s, 2))
                         print(f"repeat {rep} {row.task} {spec.name}: {row.tokens_per_s:.1f} tok/s, accept "
                               f"{row.mean_accept or 0:.2f}, equal to stock {row.equal_to_stock} of {row.requests}, "
                               f"prompt cached {row.cached_tokens / max(row.prompt_tokens, 1):.0%}", flush=True)
-    rows = []
-    for (name, task), rs in runs.items():
-        med = sorted(rs, key=lambda r: r.tokens_per_s)[len(rs) // 2]
-        eq = [r.equal_to_stock for r in rs if r.equal_to_stock is not None]
-        med.equal_to_stock = min(eq) if eq else None
-        med.repeat_tokens_per_s = [round(r.tokens_per_s, 2) for r in rs]
-        med.plain_repeat_tokens_per_s = stock_tps.get((name, task), [])
-        rows.append(med)
+    rows = medians(runs, systems, [(f"{ctx}-{how}", 1) for ctx in contexts for how in HOW], stock_tps)
     config = {"model": model.name, "contexts": contexts, "max_new_tokens": args.max_new_tokens,
               "repeats": args.repeats, "documents": [f"{d}:{f}" for d, f, _ in DOCUMENTS],
               "versions": {d: importlib.metadata.version(d) for d, _, _ in DOCUMENTS},

@@ -28,7 +28,7 @@ def rows(name, batch, tps, accept=None, equal=None):
 def test_medians_ratios_and_table():
     runs = {("plain", "", 1): rows("plain", 1, [10, 30, 20]),
             ("entmtp", "", 1): rows("entmtp", 1, [15, 45, 30], accept=2.5, equal=4)}
-    med = b._medians(runs, [b.PLAIN, b.ENTMTP], [("", 1)])
+    med = b.medians(runs, [b.PLAIN, b.ENTMTP], [("", 1)])
     by = {r.system: r for r in med}
     assert by["plain"].tokens_per_s == 20 and by["entmtp"].tokens_per_s == 30
     table = b.to_markdown(med)
@@ -45,7 +45,7 @@ def test_ratios_are_taken_per_task():
             ("entmtp", "code", 1): tagged(rows("entmtp", 1, [20, 20, 20], equal=4), "code"),
             ("plain", "json", 1): tagged(rows("plain", 1, [40, 40, 40]), "json"),
             ("entmtp", "json", 1): tagged(rows("entmtp", 1, [20, 20, 20], equal=3), "json")}
-    table = b.to_markdown(b._medians(runs, [b.PLAIN, b.ENTMTP], [("code", 1), ("json", 1)]))
+    table = b.to_markdown(b.medians(runs, [b.PLAIN, b.ENTMTP], [("code", 1), ("json", 1)]))
     assert "| code | entmtp | 1 | 20.0 | 2.00x | 2.00x |  | 4/4 |" in table, table
     assert "| json | entmtp | 1 | 20.0 | 0.50x | 0.50x |  | 3/4 |" in table, table
 
@@ -56,7 +56,7 @@ def test_the_paired_ratio_follows_each_repeat_and_the_table_can_be_drawn_again(t
     gives the same table."""
     runs = {("plain", "", 8): rows("plain", 8, [10, 40, 50]),
             ("entmtp", "", 8): rows("entmtp", 8, [15, 60, 30], equal=20)}
-    med = b._medians(runs, [b.PLAIN, b.ENTMTP], [("", 8)])
+    med = b.medians(runs, [b.PLAIN, b.ENTMTP], [("", 8)])
     by = {r.system: r for r in med}
     assert by["entmtp"].repeat_tokens_per_s == [15, 60, 30]
     assert b.paired_ratio(by["entmtp"], by["plain"]) == 1.5

@@ -57,6 +57,16 @@ def _steps(ent, rids) -> list[dict]:
             if set(s["rids"]) & rids]
 
 
+def _wait_until_decoding(ent, running: dict, timeout_s: float = 300) -> None:
+    """Until the trace shows a decode step of any of `running` (rid -> its request's future), so that a request
+    sent next joins a running batch; fails if none is traced in time or one finished first."""
+    trace = ent.log_path.parent / "trace"
+    deadline = time.monotonic() + timeout_s
+    while not any(rid in f.read_text() for f in trace.glob("trees-*.jsonl") for rid in running):
+        assert time.monotonic() < deadline and not any(f.done() for f in running.values()), "no step traced"
+        time.sleep(0.02)
+
+
 def _short(job: dict, max_new_tokens: int, rid: str | None = None) -> dict:
     out = {**job, "sampling_params": {**job["sampling_params"], "max_new_tokens": max_new_tokens}}
     return {**out, "rid": rid} if rid else out
@@ -120,12 +130,8 @@ def test_requests_joining_and_leaving_mid_run_equal_plain(servers):
     firsts = [f"{tag}-{k}" for k, _ in first]
     with cf.ThreadPoolExecutor(len(jobs)) as pool:
         running = {rid: pool.submit(ent.post, "/generate", jobs[rid]) for rid in firsts}
-        trace = ent.log_path.parent / "trace"
-        deadline = time.monotonic() + 300
         longest = f"{tag}-0"   # decodes long enough for the second three to join it
-        while not any(longest in f.read_text() for f in trace.glob("trees-*.jsonl")):
-            assert time.monotonic() < deadline and not running[longest].done(), "no step traced"
-            time.sleep(0.02)
+        _wait_until_decoding(ent, {longest: running[longest]})
         running |= {f"{tag}-{k}": pool.submit(ent.post, "/generate", jobs[f"{tag}-{k}"]) for k, _ in second}
         outs = {rid: f.result() for rid, f in running.items()}
     _equal([outs[r] for r in jobs], [reference[r] for r in jobs])
@@ -161,7 +167,6 @@ def test_a_radix_cache_hit_beside_other_requests_equals_plain(servers):
     prefix = "\n\n".join(it["prompt"] for task in ("prose", "math") for it in load_prompts(task, "test", 3))
     asks = ("\nIn one sentence, the text above says", "\nThe main point of the text above is")
     every = _jobs(8)   # JSON, tool call, code, chat; twice: the others are the free-text ones
-    trace = ent.log_path.parent / "trace"
     got = []
     for n, (ask, others) in enumerate(zip(asks, ((2, 3), (6, 7)))):
         head = {"text": prefix + ask, "sampling_params": {"temperature": 0, "max_new_tokens": 20},
@@ -174,10 +179,7 @@ def test_a_radix_cache_hit_beside_other_requests_equals_plain(servers):
                      for rid, j in jobs.items()}
         with cf.ThreadPoolExecutor(len(jobs)) as pool:
             running = {rid: pool.submit(ent.post, "/generate", j) for rid, j in beside.items()}
-            deadline = time.monotonic() + 300
-            while not any(rid in f.read_text() for f in trace.glob("trees-*.jsonl") for rid in beside):
-                assert time.monotonic() < deadline and not any(f.done() for f in running.values()), "no step traced"
-                time.sleep(0.02)
+            _wait_until_decoding(ent, running)
             running[head["rid"]] = pool.submit(ent.post, "/generate", head)
             outs = {rid: f.result() for rid, f in running.items()}
         _equal([outs[r] for r in jobs], [reference[r] for r in jobs])

@@ -411,10 +411,10 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
                                  f"accept {row.mean_accept or 0:.2f}, equal to plain {row.equal_to_plain}, to stock "
                                  f"{row.equal_to_stock} of {row.requests}")
                 if on_repeat is not None:
-                    on_repeat(_medians(runs, systems, keys, partners), w * repeats + rep + 1)
+                    on_repeat(medians(runs, systems, keys, partners), w * repeats + rep + 1)
     finally:
         pool.stop()
-    return _medians(runs, systems, keys, partners)
+    return medians(runs, systems, keys, partners)
 
 
 def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: int,
@@ -459,7 +459,10 @@ def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: in
     return row
 
 
-def _medians(runs, systems, keys, partners=None) -> list[Row]:
+def medians(runs, systems, keys, partners=None) -> list[Row]:
+    """One Row per (task, batch) in `keys` and system: the median repeat of `runs[(system, task, batch)]`, with every
+    repeat's tokens/s, the fewest outputs equal to plain's and to stock's over the repeats, and the baseline's tokens/s
+    beside each repeat (`partners`, keyed the same)."""
     rows = []
     for task, b in keys:
         for spec in systems:
