@@ -1,5 +1,5 @@
 """The bench scripts' own logic: bench/policies.py's table and goal count on rows written by hand, and
-bench/signals.py's cross-validated replay on synthetic records (the runs themselves are benchmarks)."""
+bench/experiments/signals.py's cross-validated replay on synthetic records (the runs themselves are benchmarks)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_script(name):
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+def load_script(name, folder="bench"):
+    """A script of bench/ (the product's benchmarks) or, with folder="bench/experiments", a one-off experiment."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / folder / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -73,7 +74,7 @@ def test_signal_study_finds_the_informative_signal():
     from entmtp_sglang.calibrate.costs import StepCostModel
     from entmtp_sglang.tree.records import PositionRecord
 
-    signals = load_script("signals")
+    signals = load_script("signals", "bench/experiments")
     rng = random.Random(0)
     recs = []
     for prompt in range(8):
@@ -109,7 +110,7 @@ def test_the_bounds_know_only_their_own_quantity():
     from entmtp_sglang.calibrate.costs import StepCostModel
     from entmtp_sglang.tree.records import PositionRecord
 
-    signals = load_script("signals")
+    signals = load_script("signals", "bench/experiments")
     rng = random.Random(1)
     recs = []
     for prompt in range(8):
@@ -142,7 +143,7 @@ def test_the_stream_oracle_starts_each_segment_on_its_own_ranks(policies_bench, 
 
 def test_the_backoff_benchmark_serves_a_set_of_chain0_alone(tmp_path):
     from entmtp_sglang.tree.treeset import load_tree_set
-    backoff = load_script("sglang_backoff")
+    backoff = load_script("sglang_backoff", "bench/experiments")
     shipped = ROOT / "trees" / "smollm2-135m-instruct-eagle-mixed.json"
     ts = load_tree_set(backoff.chain0_only(shipped, tmp_path / "chain0.json"))
     assert [t.tree.name for t in ts.trees] == ["chain:0"]

@@ -1,7 +1,7 @@
 """The SGLang side-by-side benchmark's bookkeeping (entmtp_sglang/bench/sglang_benchmark.py), without servers:
 medians over repeats, ratios to plain or to stock SGLang, the Markdown table; then what a stock SGLang process
 loads of this package, and a stock server beside plain SGLang with the package (real servers, marked sglang).
-(The other servers are exercised by tests/test_sglang_server.py and by `bench/sglang_cpu.py`.)"""
+(The other servers are exercised by tests/test_sglang_server.py and by `bench/experiments/sglang_cpu.py`.)"""
 
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ def test_with_a_stock_run_every_ratio_divides_by_stock():
     assert "| code | plain | 1 | 20.0 | 2.00x | 2.00x |  |  | 4/4 |" in table, table
     assert "| code | entmtp | 1 | 30.0 | 3.00x | 3.00x |  | 4/4 | 3/4 |" in table, table
     assert "| code | plain-stock | 1 | 10.0 | 1.00x | 1.00x |  | 4/4 |  |" in table, table
-    # a run without stock (older runs, bench/sglang_cpu.py): plain the denominator, no stock column
+    # a run without stock (older runs, bench/experiments/sglang_cpu.py): plain the denominator, no stock column
     old = b.to_markdown([row("plain", [20.0, 20.0]), row("entmtp", [30.0, 30.0], [20.0, 20.0], eq=4)])
     assert "| code | entmtp | 1 | 30.0 | 1.50x | 1.50x |  | 4/4 |  |" in old and "greedy = stock" not in old, old
     assert "| code | 1 | 2.00x (eagle-s1) |" in b.versus(rows, "entmtp", {"static": ["eagle-s1"]})

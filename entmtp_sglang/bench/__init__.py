@@ -9,8 +9,8 @@
     config.py     BenchConfig, the --quick settings and --quick's side-by-side on SmolLM2
     processor.py  the processor every report names (model name; AVX2, AVX-512, AMX flags)
     cli.py        the `entmtp bench` subcommand
-    sglang_benchmark.py  SGLang configurations side by side (bench/sglang_cpu.py), the server pool; stock SGLang
-                         (this package's general plugin not loaded) as the product benchmark's baseline
+    sglang_benchmark.py  SGLang configurations side by side (bench/experiments/sglang_cpu.py), the server pool;
+                         stock SGLang (this package's general plugin not loaded) as the product benchmark's baseline
     sglang_costs.py      ENTMTP's tree costs measured inside an SGLang server (python -m ...bench.sglang_costs)
     sglang_systems.py    those SGLang configurations as `entmtp bench` systems
 

@@ -8,7 +8,7 @@ over the whole prompt list), mean accepted length (SGLang's `spec_accept_length`
 bonus included), and for ENTMTP the histogram of trees chosen. Also checks greedy equality with the
 no-speculation server's outputs (float32 keeps ties out; see tests/test_sglang_server.py).
 
-    .venv/bin/python bench/sglang_cpu.py            # writes bench/results/sglang_cpu.{jsonl,md}
+    .venv/bin/python bench/experiments/sglang_cpu.py            # writes bench/results/sglang_cpu.{jsonl,md}
 
 The pieces are shared with `entmtp bench` (entmtp_sglang/bench/sglang_systems.py), which runs the same
 server configurations as systems of its harness, on its task streams: `SystemSpec` (a server

@@ -7,7 +7,7 @@
 
 All four serve the run's model (`entmtp bench --model`) and its EAGLE drafter (the same weights), in float32, with
 `--sleep-on-idle`; the server configurations are `entmtp_sglang/bench/sglang_benchmark.py`'s, shared with
-`bench/sglang_cpu.py`. The servers of a run are started together once, on the first timed (warm-up) call,
+`bench/experiments/sglang_cpu.py`. The servers of a run are started together once, on the first timed (warm-up) call,
 so they do not disturb the reference engine's cost measurements during set-up, and they are stopped in
 `close()`, which the runner calls even on an error or Ctrl-C (and at interpreter exit, and the kernel
 stops them if the benchmark process dies: see serve.py).
@@ -42,7 +42,7 @@ from .workload import BenchContext
 ENGINE = "sglang"
 BASELINE = "sglang-plain"
 # SGLang's static EAGLE setting: a 3-token chain (num_steps 3, topk 1, 4 verified tokens per step). The
-# fastest of the bench/sglang_cpu.py grid on this CPU (s2-k1-n3, s3-k1-n4, s3-k2-n6); see README.
+# fastest of the bench/experiments/sglang_cpu.py grid on this CPU (s2-k1-n3, s3-k1-n4, s3-k2-n6); see README.
 EAGLE_STATIC = SystemSpec("eagle-s3-k1-n4", "EAGLE", 3, 1, 4)
 SPECS = {"sglang-plain": PLAIN, "sglang-eagle": EAGLE_STATIC, "sglang-adaptive": ADAPTIVE,
          "sglang-entmtp": ENTMTP}

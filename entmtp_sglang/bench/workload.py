@@ -2,7 +2,7 @@
 
     code   HumanEval          math   GSM8K test items      chat   ShareGPT V3 first turns
     prose  MT-Bench writing/roleplay + story prompts (Litbench is not available here)
-    json   prompts for real SchemaStore schemas (decoded without a grammar here; see bench/json_grammar.py)
+    json   prompts for real SchemaStore schemas (decoded without a grammar here; see bench/experiments/json_grammar.py)
     mixed  an agent-style session of three turns: prose, then JSON, then code
 
 Mixed: turn k's prompt is the whole session so far (turn 1 prompt, its reply, ..., turn k prompt), left-

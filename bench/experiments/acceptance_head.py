@@ -1,6 +1,6 @@
 """Next-best design for the per-node acceptance predictor (issue 13): a small learned acceptance head.
 
-    .venv/bin/python bench/acceptance_head.py trees/smollm2-135m-instruct-*-*.json   # minutes, no decoding
+    .venv/bin/python bench/experiments/acceptance_head.py trees/smollm2-135m-instruct-*-*.json   # minutes, no decoding
 
 Per depth, a logistic regression of "the target accepts the rank-r candidate, given its parent" on: the
 candidate's draft probability and its depth's top-1 probability (where known: every depth for `logit-full`,
@@ -8,9 +8,9 @@ the first only for `logit-d1`), the depth-1 top-1 probability, margin and entrop
 and the rank; fitted on positions whose true path stayed within the top 3 candidates. `logit-full+hist` adds
 the acceptance history: how often the drafter's top-1 matched the target's token over the previous 8 positions
 and at the last one (known at run time: a drafter's depth-1 guess exists at every accepted position). Compared
-in the same two-fold cross-validated replay as bench/signals.py (tokens/s relative to static-best in hindsight)
-with the isotonic predictor of tree/acceptance.py (`iso-full`, `iso-d1`). Prints one line per tree set and the
-mean.
+in the same two-fold cross-validated replay as bench/experiments/signals.py (tokens/s relative to static-best in
+hindsight) with the isotonic predictor of tree/acceptance.py (`iso-full`, `iso-d1`). Prints one line per tree set
+and the mean.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     paths = [Path(a) for a in (argv if argv is not None else sys.argv[1:]) if not a.endswith(".records.jsonl")]
     if not paths:
-        print("usage: bench/acceptance_head.py TREE_SET.json ...", file=sys.stderr)
+        print("usage: bench/experiments/acceptance_head.py TREE_SET.json ...", file=sys.stderr)
         return 2
     means: dict[str, list[float]] = {}
     for path in paths:

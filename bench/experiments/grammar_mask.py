@@ -1,7 +1,7 @@
 """The grammar's mask on a draft node's logits inside SGLang (`sglang/grammar_draft.masked_logits`), as shipped
 against the way it ran before 2026-12-06: per call, on SmolLM2's tokenizer and real grammar states.
 
-    .venv/bin/python bench/grammar_mask.py        # about 20 s; prints the table (nothing written)
+    .venv/bin/python bench/experiments/grammar_mask.py        # about 20 s; prints the table (nothing written)
 
 ENTMTP masks every drafted node's candidates of a constrained request, and the root's signal, with the grammar
 state after the node's path (one call per expanded node and step). `now`: over a draft vocabulary (SmolLM2's drafters

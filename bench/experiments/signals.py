@@ -1,6 +1,6 @@
 """Which signal should pick the tree? A replay study on the shipped calibration records (no decoding).
 
-    .venv/bin/python bench/signals.py        # under a minute; writes bench/results/signals.{json,md}
+    .venv/bin/python bench/experiments/signals.py        # under a minute; writes bench/results/signals.{json,md}
 
 For every shipped (drafter, task) record file (greedy decoding of the calibration prompts: each
 position's drafter entropy and margin, target entropy, and the rank vector of the true continuation):
@@ -56,7 +56,7 @@ from entmtp_sglang.tree.construct import accepted_on, greedy_tree
 from entmtp_sglang.tree.records import PositionRecord
 from entmtp_sglang.tree.treeset import TreeEntry, TreeSet, load_tree_set
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TASKS = ("code", "math", "chat", "prose", "json", "json-grammar", "mixed")
 BUDGETS = (2, 3, 4, 6, 8, 12, 16, 24, 32)
 BINS = (2, 4, 8)

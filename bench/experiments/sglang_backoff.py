@@ -1,6 +1,6 @@
 """What ENTMTP's back-off to plain decoding costs inside SGLang on this CPU, and where it does not come from.
 
-    .venv/bin/python bench/sglang_backoff.py [--model smollm2] [--repeats 3]   # about 7 minutes
+    .venv/bin/python bench/experiments/sglang_backoff.py [--model smollm2] [--repeats 3]   # about 7 minutes
 
 Three servers side by side (greedy, float32, measured interleaved, median over repeats):
 * `plain`: SGLang without speculation (`torch_native` attention, as in every SGLang benchmark here);
@@ -25,7 +25,7 @@ from entmtp_sglang.bench.sglang_benchmark import PLAIN, SystemSpec, run, to_mark
 from entmtp_sglang.model.prepare import resolve_alias
 from entmtp_sglang.tree.treeset import load_tree_set
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def chain0_only(shipped: Path, out: Path) -> Path:

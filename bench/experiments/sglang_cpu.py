@@ -1,6 +1,6 @@
 """SGLang on this CPU, side by side: no speculation, EAGLE static (small grid), --speculative-adaptive, ENTMTP.
 
-    .venv/bin/python bench/sglang_cpu.py [--per-task 3] [--max-new-tokens 64] [--batches 1,8]
+    .venv/bin/python bench/experiments/sglang_cpu.py [--per-task 3] [--max-new-tokens 64] [--batches 1,8]
 
 One server per system, the same SGLang build, prompts (held-out test split of code, chat, math, prose,
 JSON) and machine; greedy; float32 so that greedy equality with the no-speculation server is checked
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from entmtp_sglang.bench.sglang_benchmark import DEFAULT_SYSTEMS, run, to_markdown, write
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

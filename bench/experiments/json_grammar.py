@@ -1,6 +1,6 @@
 """Structured output benchmark: JSON documents under held-out real schemas, greedy, batch 1.
 
-    .venv/bin/python bench/json_grammar.py     # writes bench/results/json_grammar.{jsonl,md}
+    .venv/bin/python bench/experiments/json_grammar.py     # writes bench/results/json_grammar.{jsonl,md}
 
 Modes, all on the same prompts and measured side by side (median over repeats):
   (a) static tree, grammar applied only at verification (what SGLang does)
@@ -31,7 +31,7 @@ from entmtp_sglang.tasks import load_prompts, load_schema
 from entmtp_sglang.tree import from_sglang
 from entmtp_sglang.tree.treeset import load_tree_set
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 STATIC = from_sglang(2, 5, 12)
 
 

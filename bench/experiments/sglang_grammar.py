@@ -1,6 +1,6 @@
 """ENTMTP inside SGLang under JSON schemas: grammar-aware drafting on vs off, against SGLang plain.
 
-    .venv/bin/python bench/sglang_grammar.py [--schemas 8] [--max-new-tokens 96] [--repeats 3]
+    .venv/bin/python bench/experiments/sglang_grammar.py [--schemas 8] [--max-new-tokens 96] [--repeats 3]
 
 Three servers of the same SGLang build, up side by side: SGLang without speculation, ENTMTP with
 grammar-aware drafting (the default: grammar-masked entropy signal and drafts), and ENTMTP with it off
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from entmtp_sglang.calibrate.server import ServerError, SGLangServer  # noqa: E402

@@ -2,7 +2,7 @@
 last 8 positions), the drafter's entropy, the signal the tree set bins on (when it is not an entropy, on
 a second axis with its bin edges), the tree EntMTP chose and the accepted length at every step.
 
-    .venv/bin/python bench/entropy_trace.py --drafter hydra     # writes bench/results/entropy_trace.png
+    .venv/bin/python bench/experiments/entropy_trace.py --drafter hydra     # writes bench/results/entropy_trace.png
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from entmtp_sglang.policy.signals import recent_target_entropies, signal_value, 
 from entmtp_sglang.tasks import load_prompts  # noqa: E402
 from entmtp_sglang.tree.treeset import load_tree_set  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 class TracingPolicy(EntMTPPolicy):

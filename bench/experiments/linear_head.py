@@ -3,7 +3,7 @@ kernel (`kernels/fewrow_linear.cpp`), side by side in one run, for each of SmolL
 all of SmolLM2's linear layers at once (every layer's own weights: the memory a real step reads), and for whole
 decoding steps of the reference engine (plain decoding and chains of 1-4 EAGLE drafts) on each path.
 
-    .venv/bin/python bench/linear_head.py [--model smollm2] [--threads 2]     # about 3 minutes
+    .venv/bin/python bench/experiments/linear_head.py [--model smollm2] [--threads 2]     # about 3 minutes
     # writes bench/results/linear_paths.{md,jsonl}; --out DIR elsewhere
 
 Each cell is the median over repeats; the paths alternate call by call. `batch-invariant` says whether a row's
@@ -29,7 +29,7 @@ from entmtp_sglang.model.load import load_bundle
 from entmtp_sglang.model.prepare import resolve_model
 from entmtp_sglang.tree import Tree
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ROWS = (1, 2, 4, 6, 8, 12, 16, 24)   # past 8 rows: a verify over a tree with spans, a batch of 12-24 requests
 
 

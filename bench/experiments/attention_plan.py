@@ -1,7 +1,7 @@
 """The `entmtp_torch` backend's verify attention, as it runs inside SGLang, against how it ran before 2026-12-06's
 change: one target forward's 30 layers of SmolLM2's attention (9 query heads, 3 KV heads, head size 64).
 
-    .venv/bin/python bench/attention_plan.py        # about a minute; prints the table (nothing written)
+    .venv/bin/python bench/experiments/attention_plan.py        # about a minute; prints the table (nothing written)
 
 `now`: `gather.attend` as shipped: the plan's mask handed to SDPA as an additive bias made once per forward, and a
 ragged verify whose rows are all as long as the longest (batch 1 always) read and written as a view. `before`: the

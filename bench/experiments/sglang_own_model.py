@@ -2,7 +2,7 @@
 the set shipped for that model, side by side with no speculation, static EAGLE (a grid of three) and
 SGLang's `--speculative-adaptive`.
 
-    .venv/bin/python bench/sglang_own_model.py --model smollm2 --calibrated SET.json [--per-task 2]
+    .venv/bin/python bench/experiments/sglang_own_model.py --model smollm2 --calibrated SET.json [--per-task 2]
 
 The model is served under a directory name no shipped set matches (a symlink, `<name>-own`), so ENTMTP
 without a set starts with the generic set and calibrates online; `--calibrated` must be a set written by
@@ -23,7 +23,7 @@ from entmtp_sglang.bench.sglang_benchmark import ADAPTIVE, EAGLE_GRID, PLAIN, Sy
 from entmtp_sglang.model.load import draft_token_map
 from entmtp_sglang.model.prepare import resolve_alias
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def own_model_dir(model: Path, where: Path) -> Path:

@@ -1,7 +1,7 @@
 """Forced spans in the reference engine: JSON under held-out schemas with and without jump-forward drafting.
 
-    .venv/bin/python bench/forced_spans.py                      # SmolLM2 + EAGLE, 4 schemas, 96 new tokens
-    .venv/bin/python bench/forced_spans.py --model entmtp-tiny --drafter hydra --schemas 2
+    .venv/bin/python bench/experiments/forced_spans.py                      # SmolLM2 + EAGLE, 4 schemas, 96 new tokens
+    .venv/bin/python bench/experiments/forced_spans.py --model entmtp-tiny --drafter hydra --schemas 2
 
 After one untimed warm-up, per prompt, greedy, batch 1, in each repeat and in this order: plain decoding under
 the grammar, the policy without forced spans, the policy with the grammar's spans alone (no lookup spans), the
@@ -36,7 +36,7 @@ from entmtp_sglang.tasks import load_prompts, load_schema
 from entmtp_sglang.tree import Tree
 from entmtp_sglang.tree.treeset import load_tree_set
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TREE_SET = {"smollm2": "smollm2-135m-instruct", "entmtp-tiny": "entmtp-tiny"}
 
 

@@ -15,7 +15,8 @@ widest tree (what the step would cost if every row verified the widest row's nod
 paired: per repeat, the ragged step's median over the widest full step's of the same repeat (the machine drifts).
 The trace (ENTMTP_TREE_TRACE) confirms the ragged steps ran ragged (resting rows' 1 node).
 
-    .venv/bin/python bench/ragged_step.py    # about 6 minutes here; JSON lines in bench/results/ragged_step.jsonl
+    .venv/bin/python bench/experiments/ragged_step.py   # about 6 minutes here
+    # JSON lines in bench/results/ragged_step.jsonl
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from entmtp_sglang.calibrate.server import SGLangServer
 from entmtp_sglang.model.prepare import resolve_alias
 from entmtp_sglang.tasks import load_prompts
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BATCH = 8
 REST = "chain:0"
 
