@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from entmtp_sglang.calibrate.cost_table import DRAFTER_LEVEL, DRAFTERS, FORMAT, SHAPE_KEYS, TARGET, VERSION
-from entmtp_sglang.calibrate.provenance import git_commit
+from entmtp_sglang.costs.provenance import git_commit
 from entmtp_sglang.engine.batch_tree import pad_trees, tree_attention_mask
 from entmtp_sglang.kernels import flashinfer_available
 from entmtp_sglang.model.drafters import EagleDraft, HydraHead, MedusaHeads

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from ..settings import settings
+
 SOURCE = Path(__file__).with_name("fewrow_linear.cpp")
 # one extension: the linear kernel and the row-wise ops of a decoder layer (rowwise_ops.py)
 SOURCES = (SOURCE, Path(__file__).with_name("rowwise_ops.cpp"))
@@ -60,7 +62,7 @@ def build_dir() -> Path:
     """Where this source, flags, torch installation and processor's build lives. The torch installation's path is
     part of the key: two environments with the same torch version (a checkout's venv and a fresh clone's) compile
     against different include paths, and sharing one directory made each rebuild the library the other had loaded."""
-    root = Path(os.environ.get("ENTMTP_CACHE", Path.home() / ".cache" / "entmtp")).expanduser()
+    root = settings().cache_dir
     text = b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode()
     where = f"{torch.__version__}|{Path(torch.__file__).resolve().parent}".encode()
     key = hashlib.sha256(text + where + _cpu_key().encode()).hexdigest()[:16]
@@ -70,7 +72,7 @@ def build_dir() -> Path:
 @functools.lru_cache(maxsize=None)
 def _load() -> str | None:
     """Build (or reuse) and load the extension; None when it loaded, else why not."""
-    if os.environ.get("ENTMTP_FEWROW", "1") == "0":
+    if not settings().fewrow:
         return "ENTMTP_FEWROW=0"
     if hasattr(torch.ops, "entmtp") and hasattr(torch.ops.entmtp, "fewrow_linear"):
         return None  # loaded already (another copy of this module)

@@ -14,11 +14,11 @@ match them to float32 rounding (the rotary embedding exactly: the same element-w
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
+from ..settings import settings
 from . import fewrow_linear as _ext
 
 
@@ -34,7 +34,7 @@ def unavailable_reason() -> str | None:
 @functools.lru_cache(maxsize=None)
 def enabled() -> bool:
     """Whether callers should take the ops: built, and not switched off with ENTMTP_ROWWISE=0."""
-    return os.environ.get("ENTMTP_ROWWISE", "1") != "0" and available()
+    return settings().rowwise and available()
 
 
 def takes(x: torch.Tensor) -> bool:

@@ -9,6 +9,23 @@ from entmtp_sglang.model.drafters import EagleDraft, HydraHead, MedusaHeads
 from entmtp_sglang.model.eagle3 import Eagle3Draft
 from entmtp_sglang.model.llama import LlamaForCausalLM, LlamaShape, init_weights
 from entmtp_sglang.model.load import BUNDLED_MODEL, load_bundle
+from entmtp_sglang.settings import settings
+
+
+@pytest.fixture(autouse=True)
+def settings_follow_the_environment(monkeypatch):
+    """`ENTMTP_*` switches are read once per process (entmtp_sglang/settings.py). In a test, each
+    `monkeypatch.setenv`/`delenv` drops the cached record, so the next read sees the change; every test starts and
+    ends with none cached."""
+    settings.cache_clear()
+    for name in ("setenv", "delenv"):
+        def changed(*args, _change=getattr(monkeypatch, name), **kwargs):
+            _change(*args, **kwargs)
+            settings.cache_clear()
+        setattr(monkeypatch, name, changed)
+    yield
+    settings.cache_clear()
+
 
 TINY = dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

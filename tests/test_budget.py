@@ -1,5 +1,5 @@
 """A batch's budget across its requests (policy/budget.py) and the ragged step-cost model it divides by
-(calibrate/ragged_cost.py): the greedy over per-request hulls against enumerating every assignment, pins, room,
+(costs/ragged_cost.py): the greedy over per-request hulls against enumerating every assignment, pins, room,
 hysteresis, the all-resting batch, clear errors; the cost fit and its online refit. No SGLang.
 
 What the brute-force comparisons hold the greedy to (budget.py's contract):
@@ -21,7 +21,7 @@ import random
 import numpy as np
 import pytest
 
-from entmtp_sglang.calibrate.ragged_cost import (
+from entmtp_sglang.costs.ragged_cost import (
     MIN_POINTS,
     OnlineRaggedCost,
     RaggedStep,

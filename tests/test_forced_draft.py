@@ -117,6 +117,7 @@ def test_the_switch_and_the_cap_come_from_the_environment(monkeypatch):
     monkeypatch.setenv(forced_draft.ENV_FORCED_MAX, "0")
     with pytest.raises(ValueError, match="ENTMTP_FORCED_MAX_TOKENS"):
         forced_config_from_env()
+    monkeypatch.delenv(forced_draft.ENV_FORCED_MAX)   # a bad value is an error whatever the other switches say
     monkeypatch.setenv(forced_draft.ENV_FORCED, "0")
     assert forced_config_from_env() is None and forced_draft.extra_verify_tokens() == 0
 
@@ -153,7 +154,7 @@ def test_extend_rewrites_sglangs_verify_input_and_counts_what_was_accepted():
     # the target took ab, d, ghi, then not q: the span rejected part-way
     counted = draft.verified(step, reqs, torch.tensor([[0, 1, 2, 3, -1], [5, 6, -1, -1, -1]]))
     assert counted == [(2, 1, 0, 0), (0, 0, 0, 0)]
-    s = draft.stats["a"]
+    s = draft.requests.get(reqs[0]).forced_stats
     assert (s.spans, s.nodes, s.reached, s.tried, s.accepted) == (1, 2, 1, 2, 1)
     assert ForcedDraft.policy_counts(step, [3, 1]) == [2, 1]   # the feedback: at most the drafted depth
 
@@ -266,7 +267,7 @@ def test_a_rows_span_goes_on_with_its_own_repeats_unless_lookup_spans_are_off(mo
     # the top-1 path a, b; then e (the grammar's), then a, c (the repeat of "a c" after "a b e"), e (the grammar's)
     assert got == (["e", "a", "b", "e", "a", "c", "e"] if lookup else ["e", "a", "b", "e"])
     assert step is not None and step.layout.extended[0].num_forced == (4 if lookup else 1)
-    assert (draft.lookups is not None) == lookup
+    assert draft.lookup_on == lookup
 
 
 @pytest.mark.parametrize("mode", ["all", "1", "0"])
@@ -297,7 +298,7 @@ def test_a_row_without_a_grammar_takes_its_own_repeats_as_spans(monkeypatch, mod
 
 def test_the_lookup_switch_is_validated(monkeypatch):
     monkeypatch.setenv(forced_draft.ENV_LOOKUP, "yes")
-    with pytest.raises(ValueError, match="ENTMTP_LOOKUP_SPANS must be 0, 1 or all, got 'yes'"):
+    with pytest.raises(ValueError, match="ENTMTP_LOOKUP_SPANS='yes': takes one of 0, 1, all"):
         forced_draft.lookup_mode()
     monkeypatch.setenv(forced_draft.ENV_LOOKUP, " ALL ")
     assert forced_draft.lookup_mode() == "all"

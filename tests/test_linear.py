@@ -83,6 +83,7 @@ def test_the_environment_forces_a_path_and_names_the_choices_on_a_typo(monkeypat
     monkeypatch.setenv("ENTMTP_LINEAR", "fast")
     with pytest.raises(ValueError, match="fewrow, onednn, torch"):
         L.forced_path()
+    monkeypatch.delenv("ENTMTP_LINEAR")
     monkeypatch.setenv("ENTMTP_ONEDNN", "0")  # the older switch: SGLang's and torch's own layers
     assert L.forced_path() == "torch"
 

@@ -1,4 +1,4 @@
-"""Calibration from verified steps (calibrate/online.py), the generic set (tree/generic.py), the recording trees
+"""Calibration from verified steps (costs/online.py), the generic set (tree/generic.py), the recording trees
 of `entmtp calibrate --engine sglang`, and ENTMTP's tree-set resolution without a set for the model. No SGLang."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from entmtp_sglang.calibrate.costs import cost_grid
-from entmtp_sglang.calibrate.online import OnlineCalibration, StepObservation, fit_costs, position_record
 from entmtp_sglang.calibrate.through_sglang import mixed_pins, record_tree, records_of, step_seconds
+from entmtp_sglang.costs.online import OnlineCalibration, StepObservation, fit_costs, position_record
 from entmtp_sglang.policy.controller import RequestInput, TreeController
 from entmtp_sglang.sglang.config import EntMtpConfig
 from entmtp_sglang.sglang.recording import record_row
@@ -128,7 +128,7 @@ def test_one_slow_step_does_not_price_a_shape_out():
     """A shape timed once or twice is priced by its fastest step (noise only adds time): one step that met a
     busy machine must not make every speculative tree look dear and the server rest until the shape is timed
     again, which resting never does. From `ROBUST` steps on, the median of the recent ones."""
-    from entmtp_sglang.calibrate.online import ROBUST
+    from entmtp_sglang.costs.online import ROBUST
 
     ts = load_tree_set(shipped_tree_set("eagle", "mixed"))
     cal = OnlineCalibration(ts, refit_every=1)

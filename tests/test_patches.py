@@ -29,19 +29,20 @@ def test_every_hooked_function_resolves_with_its_parameters():
 
 def test_every_hooking_module_checks_its_entries_of_the_one_table():
     """Each module's hooks are in `patches.HOOKED` (its names are the table's), with none left over."""
-    from entmtp_sglang.sglang import admission, observe, plugin
+    from entmtp_sglang.sglang import admission, observe, plugin, requests
     from entmtp_sglang.sglang.cpu import linear, rowwise, sampling
 
     per_module = {
         plugin: ("DRAFT_BACKEND_FACTORY", "OUTPUT_STREAMER", "PENALTIES"),
         admission: ("VALIDATE", "RESERVED", "ROW_HEADROOM", "INPUT_LENGTH", "AVERAGE_ACCEPT"),
         observe: ("SAMPLE",),
+        requests: ("RELEASE", "SPECULATIVE_STATE"),
         sampling: ("USES_GREEDY",),
         linear: ("LINEAR_APPLY", "LM_HEAD"),
         rowwise: ("RMSNORM", "SILU_AND_MUL", "ROPE"),
     }
     hooked = [getattr(module, name) for module, names in per_module.items() for name in names]
-    assert len(hooked) == len(set(hooked)) == len(patches.HOOKED) == 15
+    assert len(hooked) == len(set(hooked)) == len(patches.HOOKED) == 17
     assert set(hooked) == set(patches.HOOKED)
     assert patches.hooked(patches.SAMPLE) == {patches.SAMPLE: ("verify_input", "batch", "logits_output")}
     with pytest.raises(KeyError):

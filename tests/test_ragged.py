@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from entmtp_sglang.calibrate.ragged_cost import RaggedStepCost, tree_set_cost
+from entmtp_sglang.costs.ragged_cost import RaggedStepCost, tree_set_cost
 from entmtp_sglang.policy.budget import BudgetConfig, allocate_ragged, allocate_ragged_exhaustive
 from entmtp_sglang.policy.controller import RequestInput, TreeController
 from entmtp_sglang.sglang.cpu import ops as cpu_ops

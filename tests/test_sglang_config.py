@@ -170,5 +170,5 @@ def test_policy_setting_is_validated(tmp_path, monkeypatch):
     monkeypatch.setenv("ENTMTP_POLICY", "entmtp-bins")
     assert EntMtpConfig.from_server_args(args(tmp_path)).policy == "entmtp-bins"
     monkeypatch.setenv("ENTMTP_POLICY", "oracle")
-    with pytest.raises(ValueError, match="ENTMTP_POLICY must be one of"):
+    with pytest.raises(ValueError, match="ENTMTP_POLICY='oracle': takes one of entmtp, "):
         EntMtpConfig.from_server_args(args(tmp_path))

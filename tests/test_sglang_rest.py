@@ -10,7 +10,10 @@ between rests and speculation on its own.
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import json
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +182,81 @@ def test_after_a_catch_up_the_drafter_drafts_what_it_drafts_without_rests(server
                     if tree == DEEP and prev[1] == "rest" and pinned.get(pos, 0) > 0]
     assert len(matched) >= 3, matched
     assert 4 * sum(a != b for a, b in matched) <= len(matched), matched
+
+
+def test_a_step_where_every_request_rests_runs_no_draft_pass_and_no_draft_extend(servers, reference):
+    """A request pinning chain:0 rests every step: the server's own step record (ENTMTP_PROFILE: how many times each
+    stage ran, counted, not timed) shows no draft (`draft`, `draft_forward`) and no draft-model pass at all in those
+    steps; the output is plain decoding's."""
+    _, ent = servers
+    steps = Path(ent.env["ENTMTP_PROFILE"])
+    p, want = next(iter(reference.items()))
+    seen = len(steps.read_text().splitlines()) if steps.exists() else 0
+    out = ent.post("/generate", {"text": p, "sampling_params": {
+        "temperature": 0, "max_new_tokens": MAX_NEW, "custom_params": {"entmtp_tree": "chain:0"}}})
+    assert out["output_ids"] == want
+    rows = [json.loads(x) for x in steps.read_text().splitlines()[seen:]]
+    resting = [r for r in rows if r["tree"] == "rest"]
+    assert len(resting) >= MAX_NEW - 1, rows
+    for r in resting:
+        calls = r["calls"]
+        assert calls.get("draft", 0) == calls.get("draft_forward", 0) == calls.get("catch_up", 0) == 0, r
+        assert calls.get("verify") == 1 and calls.get("target_forward") == 1, r
+
+
+def test_finished_and_aborted_requests_leave_no_state_behind(servers, reference):
+    """200 requests, 8 at a time (the policy rests most steps, so many end owing the drafter positions; every 20th is
+    aborted mid-generation): afterwards the worker's per-request table, the policy's feedback and the owed positions
+    hold nothing (read from the worker through /server_info, not from memory figures). Then a request repeating a
+    finished request's rid, with a one-token prompt, inherits nothing and equals plain decoding."""
+    plain, ent = servers
+    items = list(reference.items())
+
+    def run(i: int) -> dict:
+        text = items[i % len(items)][0]
+        if i % 20 == 7:   # long enough to be aborted while it runs: abort until the request comes back
+            done = cf.Future()
+
+            def abort():
+                while not done.done():
+                    with contextlib.suppress(Exception):
+                        ent.post("/abort_request", {"rid": f"leak-{i}"})
+                    done_wait(done)
+
+            pool_abort = threading.Thread(target=abort)
+            pool_abort.start()
+            try:
+                out = ent.post("/generate", {"text": text, "rid": f"leak-{i}", "sampling_params": {
+                    "temperature": 0, "max_new_tokens": 250, "ignore_eos": True}})
+            except Exception as e:   # an aborted request may come back as an error
+                out = {"error": str(e)}
+            finally:
+                done.set_result(True)
+                pool_abort.join()
+            return out
+        return ent.post("/generate", {"text": text, "rid": f"leak-{i}", "sampling_params": {
+            "temperature": 0, "max_new_tokens": 6 + i % 11}})
+
+    with cf.ThreadPoolExecutor(8) as pool:
+        outs = list(pool.map(run, range(200)))
+    aborted = [o for i, o in enumerate(outs) if i % 20 == 7]
+    finished = [o for i, o in enumerate(outs) if i % 20 != 7]
+    assert all(len(o.get("output_ids", ())) < 250 for o in aborted), [len(o.get("output_ids", ())) for o in aborted]
+    ended_resting = sum(o["meta_info"]["entmtp_trees"][-1:] == ["rest"] for o in finished)
+    assert ended_resting > 0
+    census = ent.server_info()["entmtp_requests"]
+    deadline = time.monotonic() + 30   # (SGLang releases a request before it answers; this only waits out a slow one)
+    while census["requests"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+        census = ent.server_info()["entmtp_requests"]
+    assert census == {"requests": 0, "owed_positions": 0, "owed_bytes": 0, "policy_requests": 0}, census
+
+    ids = [items[0][1][0]]   # a one-token prompt under a finished request's rid
+    got = ent.post("/generate", {"input_ids": ids, "rid": "leak-3", "sampling_params": {
+        "temperature": 0, "max_new_tokens": MAX_NEW}})
+    assert got["output_ids"] == plain.generate_ids(ids, MAX_NEW)["output_ids"]
+
+
+def done_wait(done, seconds: float = 0.2) -> None:
+    with contextlib.suppress(cf.TimeoutError):
+        done.result(timeout=seconds)

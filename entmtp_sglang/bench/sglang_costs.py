@@ -27,8 +27,8 @@ import sys
 import time
 from pathlib import Path
 
-from ..calibrate.provenance import amended
 from ..calibrate.server import SGLangServer
+from ..costs.provenance import amended
 from ..sglang.config import ENV_TREE_SET, PIN_KEY, resolve_tree_set_path
 from ..tasks import TASKS, interleave
 from ..tree.treeset import load_tree_set

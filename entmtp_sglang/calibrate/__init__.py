@@ -21,11 +21,11 @@ The modules, in the order calibration uses them:
     costs.py           step costs: the one cost grid, in-situ timing, the fitted `StepCostModel`
     cost_table.py      a measured cost table (another machine's step times) in place of in-situ timing
     build.py           signals and bins, greedy trees per bin and budget, the Pareto-optimal set
-    provenance.py      what a set records about how it was made (one place)
     through_sglang.py  the same calibration through an SGLang server (`entmtp calibrate --engine sglang`)
     server.py          starting SGLang servers (also used by the benchmarks and the tests)
-    online.py          records of verified steps and online refits inside a serving ENTMTP worker
     replay.py          replaying recorded positions under a policy
 
-Nothing is imported here, so `import entmtp_sglang.calibrate.online` (the SGLang worker's) stays light.
+What a serving worker and the policy need at run time (online refits, the ragged step cost, a set's provenance)
+is `costs/`, below the policy and the SGLang adapter; this package imports it, never the reverse. Nothing is
+imported here.
 """

@@ -10,6 +10,7 @@ import math
 import statistics
 from pathlib import Path
 
+from ..costs import provenance
 from ..model.load import Bundle
 from ..policy.signals import SIGNAL_KINDS, recorded_signal
 from ..tree import Tree
@@ -17,7 +18,6 @@ from ..tree.acceptance import fit_predictor
 from ..tree.construct import expected_accepted, greedy_tree, pareto_front
 from ..tree.records import PositionRecord
 from ..tree.treeset import TreeEntry, TreeSet
-from . import provenance
 from .costs import COST_BATCHES, StepCostModel, cost_models_of, step_cost_models
 from .records import CalibrationConfig, load_records
 

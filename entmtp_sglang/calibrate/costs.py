@@ -1,7 +1,7 @@
 """Step costs: seconds of one engine step with a tree, as base + per_node * nodes + per_depth * depth per batch
 size (`StepCostModel`), fitted on the step times of ONE cost grid (`cost_grid`) however they were measured: in
 situ on the reference engine (`step_cost_models`), from a measured cost table (`cost_table.py`), or inside an
-SGLang server (`through_sglang.py`). The online refit of a serving worker has its own estimator (`online.py`)."""
+SGLang server (`through_sglang.py`). The online refit of a serving worker has its own estimator (`costs/online.py`)."""
 
 from __future__ import annotations
 

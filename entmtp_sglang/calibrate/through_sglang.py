@@ -31,14 +31,14 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..costs import provenance
+from ..costs.ragged_cost import MIN_POINTS, RaggedStep, RaggedStepCost, fit_ragged_cost
 from ..sglang.config import SGLANG_SIGNALS
 from ..tree import Tree
 from ..tree.records import PositionRecord
 from ..tree.treeset import TreeEntry, TreeSet
-from . import provenance
 from .build import build_tree_set, pearson, plot_pareto, signals_of
 from .costs import StepCostModel, cost_grid, fit_cost_models
-from .ragged_cost import MIN_POINTS, RaggedStep, RaggedStepCost, fit_ragged_cost
 from .records import CalibrationConfig, save_records
 
 RECORD_TREE = "record"
@@ -259,7 +259,7 @@ def mixed_pins(grid: list[Tree], batch: int, rounds: int) -> list[list[str]]:
 
 
 def ragged_cost(steps: list[dict], grid: list[Tree] = (), log=print) -> RaggedStepCost | None:
-    """The ragged step cost (calibrate/ragged_cost.py) fitted on the recorded ragged steps (each request its own
+    """The ragged step cost (costs/ragged_cost.py) fitted on the recorded ragged steps (each request its own
     tree and node count), the pinned grid trees' steps (every row the tree's node count: the policy prices those
     steps by the same line) and the plain steps (chain:0) of every batch size; None with too few ragged points."""
     nodes = {t.name: (t.num_nodes, t.max_depth) for t in grid if t.max_depth > 0}

@@ -34,7 +34,6 @@ import functools
 import hashlib
 import json
 import logging
-import os
 import time
 import weakref
 from pathlib import Path
@@ -44,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..kernels import fewrow_linear as fewrow
+from ..settings import settings
 from .prepare import cache_root
 
 PATHS = ("fewrow", "onednn", "torch")
@@ -64,14 +64,10 @@ _HAS_ONEDNN = _onednn_available()
 
 def forced_path() -> str | None:
     """The path the environment asks for, if any (an unknown name is an error that names the choices)."""
-    if os.environ.get("ENTMTP_ONEDNN", os.environ.get("ENTMTP_ONEDNN_HEAD", "1")) == "0":
+    env = settings()   # ENTMTP_LINEAR takes auto or one of PATHS, checked as it is read
+    if not env.onednn:
         return "torch"
-    name = os.environ.get("ENTMTP_LINEAR", "auto").strip().lower()
-    if name in ("", "auto"):
-        return None
-    if name not in PATHS:
-        raise ValueError(f"ENTMTP_LINEAR={name!r}: expected one of auto, {', '.join(PATHS)}")
-    return name
+    return None if env.linear == "auto" else env.linear
 
 
 # --- the paths, each as (pack the weight, multiply) -----------------------------------------------------------

@@ -23,11 +23,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..drafting import drafter_names
+from ..settings import settings
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # model/eagle3.py's ARCHITECTURE (kept here: no torch import)
 
-CACHE_ENV = "ENTMTP_CACHE"
-DEFAULT_CACHE = Path("~/.cache/entmtp")
+CACHE_ENV = "ENTMTP_CACHE"   # settings.py reads it once (`cache_dir`, default ~/.cache/entmtp)
 STAMP = "entmtp_prepared.json"
 PACKAGE_MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -66,7 +66,7 @@ DEFAULT_GENERATE_MODEL = SMOLLM2.alias  # `entmtp generate` without --model (the
 
 def cache_root() -> Path:
     """Where prepared models live: $ENTMTP_CACHE, else ~/.cache/entmtp (outside the repository)."""
-    return Path(os.environ.get(CACHE_ENV) or DEFAULT_CACHE).expanduser()
+    return settings().cache_dir
 
 
 def model_spec(alias: str) -> PypiModel:

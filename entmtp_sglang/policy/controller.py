@@ -212,7 +212,7 @@ class TreeController:
         """What a ragged step of `batch` rows costs, `cost(total tokens, max depth, batch) -> seconds`: the engine's
         own fit on its ragged steps (`set_ragged_cost`), else the tree set's line (`ragged_cost.tree_set_cost`) at
         its measured batch size, scaled to `batch` rows."""
-        from ..calibrate.ragged_cost import tree_set_cost
+        from ..costs.ragged_cost import tree_set_cost
 
         online = self.__dict__.get("ragged_cost")   # fitted on this server's own ragged steps (set_ragged_cost)
         if online is not None:
@@ -313,6 +313,10 @@ class TreeController:
         self.requests.pop(key, None)
         for state in (self.current, self.backoffs, self.resting):
             state.pop(key, None)
+
+    def keys(self) -> set:
+        """Every key the controller holds state for (requests, and the groups it chooses for)."""
+        return set(self.requests) | set(self.current) | set(self.backoffs) | set(self.resting)
 
     def keep_only(self, live) -> None:
         """Forget every request not in `live` (a server's sweep of finished requests)."""

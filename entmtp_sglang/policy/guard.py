@@ -2,7 +2,7 @@
 emitted fewer tokens per second than its resting steps, at the same batch size.
 
 The policy chooses trees by a model: expected tokens from an acceptance predictor, seconds from a step-cost line
-fitted on the server's own steps (`calibrate/ragged_cost.py`). Where that model is wrong (a line fitted across batch
+fitted on the server's own steps (`costs/ragged_cost.py`). Where that model is wrong (a line fitted across batch
 sizes that misprices one of them, a fit from a noisy stretch, a machine whose per-row cost the set never saw) the
 policy can speculate on every step of a batch size where plain decoding is faster, for the server's whole life: the
 product runs saw ENTMTP below plain SGLang in a mixed batch of 8 or 16 requests more than once. The guard checks the

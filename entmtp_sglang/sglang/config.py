@@ -10,7 +10,7 @@ no set of its own is served with the model's EAGLE set (the same tree shapes; it
 EAGLE drafter, and the log says so). With none of these,
 ENTMTP starts uncalibrated: a generic set (`tree/generic.py`, sized by `--speculative-num-steps` and
 `--speculative-eagle-topk` when given) whose acceptance predictor and step costs are refitted online from
-verified steps (`calibrate/online.py`). A set calibrated for another model is refused (the message says
+verified steps (`costs/online.py`). A set calibrated for another model is refused (the message says
 which) unless `ENTMTP_FORCE_TREE_SET=1`. `ENTMTP_ONLINE_CALIBRATION=1` refits a calibrated set online too
 (its own predictor and costs are the prior). `ENTMTP_RECORD=FILE` appends one JSON line per verified step
 (what `entmtp calibrate --engine sglang` reads). By default a calibrated set's step costs are refitted from
@@ -29,15 +29,16 @@ acceptance predictor when it carries one, else its signal bins), `entmtp-bins` o
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..policy.registry import SERVER_POLICIES
+from ..settings import MAX_REST_LIMIT, SGLANG_MAX_REST, settings
 from ..tree.generic import generic_tree_set
 from ..tree.treeset import FORMAT, TreeSet, TreeSetError, load_tree_set, shipped_tree_set
 from .eagle3 import EAGLE, draft_kind
 
+# the variables' names, for messages and child processes' environments; their values are parsed once, in settings.py
 ENV_TREE_SET = "ENTMTP_TREE_SET"
 ENV_GRAMMAR_DRAFT = "ENTMTP_GRAMMAR_DRAFT"   # "0" turns grammar-aware drafting and entropy off
 ENV_POLICY = "ENTMTP_POLICY"
@@ -60,37 +61,18 @@ def pin_of(custom_params) -> str | None:
     return None if name is None else str(name)
 
 
-# Inside SGLang a rest ends in a catch-up pass (one draft extend over the rested positions, 4-9 ms at batch 1 on
-# this CPU, bench/sglang_step_profile.py), so rests run up to 16 steps, not the reference engine's 4: a run of
-# back-offs pays that pass once per 17 steps instead of once per 5
-SGLANG_MAX_REST = 16
-MAX_REST_LIMIT = 64   # a rest owes the drafter one position per step, caught up in one pass when it ends
+# the longest rest (SGLANG_MAX_REST, 16 steps: why, in settings.py) and its bound (MAX_REST_LIMIT) come from settings
 DEFAULT_DRAFTER = EAGLE   # the kind of a draft that is not EAGLE-3, and whose sets an EAGLE-3 draft falls back to
 SGLANG_SIGNALS = ("draft_entropy", "draft_margin")  # signals the worker computes from the draft logits
 DEFAULT_TASK = "mixed"
 
 
-def _flag(name: str, default: str = "0") -> bool:
-    flag = os.environ.get(name, default).strip().lower()
-    if flag not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{name} must be 0 or 1, got {flag!r}")
-    return flag in ("1", "true", "on")
-
-
-def _int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    try:
-        return int(raw) if raw else default
-    except ValueError:
-        raise ValueError(f"{name} must be an integer, got {raw!r}") from None
-
-
 def resolve_tree_set_path(adaptive_config: str | None, model_name: str = "entmtp-tiny",
                           drafter: str = DEFAULT_DRAFTER) -> Path | None:
     """The tree-set file to serve; None when there is none for this model (start with the generic set)."""
-    env = os.environ.get(ENV_TREE_SET)
-    if env:
-        return Path(env)
+    env = settings().tree_set_path
+    if env is not None:
+        return env
     if adaptive_config:
         p = Path(adaptive_config)
         try:
@@ -155,17 +137,14 @@ class EntMtpConfig:
         model = Path(str(server_args.model_path).rstrip("/")).name
         drafter = draft_kind(getattr(server_args, "speculative_draft_model_path", None))
         path = resolve_tree_set_path(getattr(server_args, "speculative_adaptive_config", None), model, drafter)
-        record = os.environ.get(ENV_RECORD, "").strip()
+        env = settings()
         steps, topk = getattr(server_args, "speculative_num_steps", None), getattr(server_args,
                                                                                    "speculative_eagle_topk", None)
         return cls(tree_set_path=path, model_name=model, drafter=drafter,
-                   grammar_drafting=_flag(ENV_GRAMMAR_DRAFT, "1"),
-                   policy=os.environ.get(ENV_POLICY, "entmtp").strip().lower() or "entmtp",
-                   force=_flag(ENV_FORCE), record_path=Path(record) if record else None, online=_flag(ENV_ONLINE),
-                   online_costs=_flag(ENV_ONLINE_COSTS, "1"),
+                   grammar_drafting=env.grammar_draft, policy=env.policy, force=env.force_tree_set,
+                   record_path=env.record_path, online=env.online_calibration, online_costs=env.online_costs,
                    generic_depth=int(steps) if steps else 4, generic_topk=int(topk) if topk else 2,
-                   max_rest=_int(ENV_MAX_REST, SGLANG_MAX_REST), per_row=_flag(ENV_PER_ROW, "1"),
-                   guard=_flag(ENV_GUARD, "1"))
+                   max_rest=env.max_rest, per_row=env.per_row_trees, guard=env.guard)
 
     @property
     def uncalibrated(self) -> bool:

@@ -32,7 +32,6 @@ No SGLang import: SGLang's objects (grammar, verify input, verify result) are re
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -48,11 +47,14 @@ from ..forced_spans import (
     extend_tree,
 )
 from ..grammar import jump_forward_span
+from ..settings import DEFAULT_FORCED_MAX_TOKENS, settings
 from ..tree import Tree
 from .ragged import RaggedVerify, packed_index
+from .requests import RequestTable
 
 logger = logging.getLogger("entmtp_sglang.sglang")
 
+# the switches (read once, in settings.py: `forced_spans`, `forced_max_tokens`, `lookup_spans`, `span_ends`)
 ENV_FORCED = "ENTMTP_FORCED_SPANS"              # "0": no forced spans inside SGLang
 ENV_FORCED_MAX = "ENTMTP_FORCED_MAX_TOKENS"     # forced tokens per request and step (default 16)
 # lookup spans, where a span goes on with the request's own text repeating: "all" (default) on every row (a row without
@@ -61,37 +63,26 @@ ENV_LOOKUP = "ENTMTP_LOOKUP_SPANS"
 # "0": a grammar span ends in its text's last token as the tokenizer spells it, not in the token the model writes
 # there joined to what follows (forced_spans.SpanEnds: `"` -> `":` after a key under free whitespace)
 ENV_SPAN_ENDS = "ENTMTP_SPAN_ENDS"
-DEFAULT_MAX_TOKENS = 16
+DEFAULT_MAX_TOKENS = DEFAULT_FORCED_MAX_TOKENS
 TOP1_REACH = 0.5   # the reach floor (forced_spans.ForcedSpanConfig.min_reach) over `rank_priority`: the top-1 path only
 
 
 def forced_config_from_env() -> ForcedSpanConfig | None:
     """The forced-span configuration this server runs with (None: off). One span per leaf of at most
     `max_tokens`, and at most `max_tokens` per request and step (what sizes the extra verify width)."""
-    if os.environ.get(ENV_FORCED, "1").strip() == "0":
+    env = settings()
+    if not env.forced_spans:
         return None
-    raw = os.environ.get(ENV_FORCED_MAX, "").strip()
-    try:
-        n = int(raw) if raw else DEFAULT_MAX_TOKENS
-    except ValueError:
-        raise ValueError(f"{ENV_FORCED_MAX} must be an integer, got {raw!r}") from None
-    if n < 1:
-        raise ValueError(f"{ENV_FORCED_MAX} must be >= 1, got {n}")
+    n = env.forced_max_tokens
     # one span per request: below the leaf of the drafter's top-1 path (`rank_priority` scores it 0, a path with a
     # lower-ranked turn -1, below the reach floor log 0.5); a resting row's root is that leaf
-    ends = os.environ.get(ENV_SPAN_ENDS, "1").strip()
-    if ends not in ("0", "1", ""):
-        raise ValueError(f"{ENV_SPAN_ENDS} must be 0 or 1, got {ends!r}")
     return ForcedSpanConfig(max_tokens=n, max_nodes=n, min_reach=TOP1_REACH, forced_only=False,
-                            lookup=lookup_mode() != "0", join_ends=ends != "0")
+                            lookup=env.lookup_spans != "0", join_ends=env.span_ends)
 
 
 def lookup_mode() -> str:
-    """ENTMTP_LOOKUP_SPANS as "0", "1" or "all" (a ValueError names another value)."""
-    raw = os.environ.get(ENV_LOOKUP, "all").strip().lower() or "all"
-    if raw not in ("0", "1", "all"):
-        raise ValueError(f"{ENV_LOOKUP} must be 0, 1 or all, got {raw!r}")
-    return raw
+    """ENTMTP_LOOKUP_SPANS as "0", "1" or "all" (settings.py names another value as an error)."""
+    return settings().lookup_spans
 
 
 def extra_verify_tokens() -> int:
@@ -373,42 +364,42 @@ class ForcedStep:
 class ForcedDraft:
     """Forced spans for the ENTMTP worker: `extend` rewrites a step's verify input (after the draft, before the
     verify); `verified` counts what was accepted; `policy_counts` cuts the acceptance feedback to the drafted
-    depth. Per-request statistics live in `stats` (rid -> `ForcedStats`) until the request leaves."""
+    depth. Per-request state (statistics, the request's text as an n-gram index, its side of the span ends) lives in
+    the request's entry of the worker's `RequestTable` (requests.py), dropped when SGLang releases the request."""
 
     LOG_EVERY = 200   # steps with spans between two start-up-log lines of the server's span outcomes
 
-    def __init__(self, spans: ForcedSpans, vocab_size: int):
+    def __init__(self, spans: ForcedSpans, vocab_size: int, requests: RequestTable | None = None):
         self.spans, self.vocab_size = spans, vocab_size
-        self.stats: dict[str, ForcedStats] = {}
+        self.requests = requests if requests is not None else RequestTable()
         self.outcomes = SpanOutcomes(prior_acceptance=spans.config.prior_acceptance)
         self.tokens_per_row = 2.0   # tokens a row emits per speculating step (a running mean, `observe`)
         self.last_caps = (spans.config.max_tokens, spans.config.max_tokens)
-        # rid -> the request's text as an n-gram index (HistoryLookup), None with ENTMTP_LOOKUP_SPANS=0; rows without
+        # each request's text as an n-gram index (HistoryLookup), with ENTMTP_LOOKUP_SPANS other than 0; rows without
         # a grammar take lookup spans with ENTMTP_LOOKUP_SPANS=all only
         mode = lookup_mode() if spans.config.lookup else "0"
-        self.lookups: dict[str, HistoryLookup] | None = None if mode == "0" else {}
+        self.lookup_on = mode != "0"
         self.lookup_free = mode == "all"
-        self.joins: dict[str, RequestSpanEnds] = {}   # rid -> its output counted (SpanEnds), with span ends on
 
     def lookup(self, req) -> HistoryLookup | None:
         """The request's HistoryLookup, synced to its prompt and output (None: lookup spans off)."""
-        if self.lookups is None:
+        if not self.lookup_on:
             return None
-        h = self.lookups.get(req.rid)
-        if h is None:
-            h = self.lookups[req.rid] = HistoryLookup()
-        h.sync(getattr(req, "origin_input_ids", None) or (), getattr(req, "output_ids", None) or ())
-        return h
+        st = self.requests.of(req)
+        if st.lookup is None:
+            st.lookup = HistoryLookup()
+        st.lookup.sync(getattr(req, "origin_input_ids", None) or (), getattr(req, "output_ids", None) or ())
+        return st.lookup
 
     def join(self, req) -> RequestSpanEnds | None:
         """The request's side of the server's `SpanEnds`, synced to its output (None: span ends off)."""
         if self.spans.ends is None:
             return None
-        j = self.joins.get(req.rid)
-        if j is None:
-            j = self.joins[req.rid] = self.spans.ends.request()
-        j.sync(getattr(req, "output_ids", None) or ())
-        return j
+        st = self.requests.of(req)
+        if st.join is None:
+            st.join = self.spans.ends.request()
+        st.join.sync(getattr(req, "output_ids", None) or ())
+        return st.join
 
     def observe(self, accepted: list[int]) -> None:
         """A verified step's accepted drafts per row, into the running mean of tokens emitted per row and step."""
@@ -428,7 +419,8 @@ class ForcedDraft:
                 span_cap(*self.outcomes.worth(pre + "inner"), threshold, n))
 
     @classmethod
-    def for_worker(cls, tokenizer_path: str, vocab_size: int, ragged: bool, topk: int) -> ForcedDraft | None:
+    def for_worker(cls, tokenizer_path: str, vocab_size: int, ragged: bool, topk: int,
+                   requests: RequestTable | None = None) -> ForcedDraft | None:
         """The forced-span drafter of a worker, or None (logged at start-up either way)."""
         config = forced_config_from_env()
         reason = (f"{ENV_FORCED}=0" if config is None
@@ -454,7 +446,7 @@ class ForcedDraft:
                     "spells their text")
         pieces = tok.convert_ids_to_tokens(list(range(len(tok))))
         return cls(ForcedSpans(lambda text: tok.encode(text, add_special_tokens=False), config,
-                               [p or "" for p in pieces]), vocab_size)
+                               [p or "" for p in pieces]), vocab_size, requests)
 
     def extend(self, spec, ragged: RaggedVerify | None, reqs, grammars: dict[int, object], kv_rooms: list[int],
                threshold: float = 0.0) -> ForcedStep | None:
@@ -528,14 +520,15 @@ class ForcedDraft:
         guesses verified, of them accepted); `accept_index` (bs, W): SGLang's accepted global positions."""
         out = []
         rows = accept_index.tolist() if accept_index is not None else [[] for _ in reqs]
-        live = set()
         for b, r in enumerate(reqs):
-            live.add(r.rid)
             ext = step.layout.extended[b]
             if ext is None:
                 out.append((0, 0, 0, 0))
                 continue
-            stats = self.stats.setdefault(r.rid, ForcedStats())
+            st = self.requests.of(r)
+            if st.forced_stats is None:
+                st.forced_stats = ForcedStats()
+            stats = st.forced_stats
             nodes = accepted_nodes(step.layout.columns[b], rows[b], step.layout.num_nodes, b)
             self.outcomes.add(ext, nodes, b in step.free)
             got = self.spans.verified(ext, nodes, stats)
@@ -544,12 +537,6 @@ class ForcedDraft:
             guessed = sum(sp.num_guessed for sp in ext.spans)
             guessed_got = sum(1 for sp in ext.spans for j, g in enumerate(sp.guessed) if g and sp.first + j in on_path)
             out.append((ext.num_forced - guessed, got - guessed_got, guessed, guessed_got))
-        if len(self.stats) > 4 * max(64, len(reqs)):
-            self.stats = {k: v for k, v in self.stats.items() if k in live}
-        if self.lookups is not None and len(self.lookups) > 4 * max(64, len(reqs)):
-            self.lookups = {k: v for k, v in self.lookups.items() if k in live}
-        if len(self.joins) > 4 * max(64, len(reqs)):
-            self.joins = {k: v for k, v in self.joins.items() if k in live}
         self.outcomes.steps += 1
         if self.outcomes.steps % self.LOG_EVERY == 0:
             logger.info("ENTMTP forced spans over %d steps: %s; %.2f tokens a row per step; spans capped at %s "

@@ -106,8 +106,8 @@ def masked_logits(logits: torch.Tensor, grammar, bitmask: torch.Tensor, hot: tor
     each draft token when the logits are over a draft vocabulary (--speculative-token-map, EAGLE-3): the
     target-vocabulary mask is read at those ids, straight off xgrammar's packed bitmask (`allowed_ids`: for
     SmolLM2's 8,192-token map 2-5x faster than scattering the logits into the target vocabulary and masking that,
-    `bench/grammar_mask.py`). Over the target vocabulary, or with another mask format, the grammar object's own
-    `apply_vocab_mask` masks them (`_masked_by_grammar`)."""
+    `bench/experiments/grammar_mask.py`). Over the target vocabulary, or with another mask format, the grammar
+    object's own `apply_vocab_mask` masks them (`_masked_by_grammar`)."""
     row = logits.detach().float().reshape(-1)
     if hot is None or bitmask.dtype != torch.int32:
         return _masked_by_grammar(row, grammar, bitmask, hot).to(logits.device)

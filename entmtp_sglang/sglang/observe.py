@@ -4,7 +4,7 @@ An AFTER hook on `eagle_utils.eagle_sample` (registered by plugin.py, active onl
 worker asked for it with `enable()`) keeps, per verified step, the argmax of the target's logits at every
 node of the tree (after SGLang applied grammar masks and penalties in place: what greedy verification
 compares drafts with) and the target's entropy at the root. The worker takes them right after its verify
-(`take()`), in the same process and thread, and turns them into calibration records (calibrate/online.py).
+(`take()`), in the same process and thread, and turns them into calibration records (costs/online.py).
 """
 
 from __future__ import annotations

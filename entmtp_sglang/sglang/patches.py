@@ -2,8 +2,9 @@
 checked against the installed SGLang (`check_signature`; a mismatch names what changed).
 
 - `HOOKED`: every function the package wraps with SGLang's HookRegistry, whichever module hooks it (plugin.py,
-  admission.py, observe.py, cpu/sampling.py, cpu/linear.py, cpu/rowwise.py). Each module imports its names from here
-  and checks its own entries (`hooked(...)`) right before it registers them; no other module keeps a table.
+  admission.py, observe.py, requests.py, cpu/sampling.py, cpu/linear.py, cpu/rowwise.py). Each module imports its
+  names from here and checks its own entries (`hooked(...)`) right before it registers them; no other module keeps
+  a table.
 - `INSTANCE_PATCHES`: SGLang methods the ENTMTP worker replaces on one object (`EntMtpWorker.__init__`), installed
   only through `patch_instance`, which checks the method's parameters first: a patch not in the table cannot be
   installed.
@@ -38,6 +39,10 @@ LM_HEAD = "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head"
 RMSNORM = "sglang.srt.layers.layernorm.RMSNorm.forward_native"
 SILU_AND_MUL = "sglang.srt.layers.activation.SiluAndMul.forward_native"
 ROPE = "sglang.srt.layers.rotary_embedding.base.RotaryEmbedding.forward_native"
+# requests.py
+RELEASE = "sglang.srt.mem_cache.common.release_kv_cache"
+SPECULATIVE_STATE = ("sglang.srt.managers.scheduler_components.internal_state."
+                     "SchedulerInternalStateController._add_speculative")
 HOOKED = {
     # plugin.py: adds the `entmtp_torch` draft attention backend to the factory's name -> constructor maps
     DRAFT_BACKEND_FACTORY: ("self", "backend_name", "backend_map", "error_template", "stamps_children"),
@@ -69,6 +74,10 @@ HOOKED = {
     SILU_AND_MUL: ("self", "x"),
     # cpu/rowwise.py (CPU engine, ops built): the rotary embedding as one row-wise op
     ROPE: ("self", "positions", "query", "key", "offsets", "fused_set_kv_buffer_arg"),
+    # requests.py: a request's KV given back (finished, aborted, retracted) drops its per-request state
+    RELEASE: ("req", "tree_cache"),
+    # requests.py: /server_info reports what the per-request tables hold (entmtp_requests)
+    SPECULATIVE_STATE: ("self", "state"),
 }
 
 # SGLang methods the ENTMTP worker replaces on one object, with the parameters the replacement relies on:

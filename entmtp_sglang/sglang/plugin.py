@@ -64,10 +64,10 @@ def _register_attention() -> None:
     HookRegistry.register(DRAFT_BACKEND_FACTORY, _draft_backend_around, HookType.AROUND)
     HookRegistry.register(OUTPUT_STREAMER, output_streamer_hook, HookType.AFTER)
     HookRegistry.register(PENALTIES, _penalties_in_one_order, HookType.AROUND)
-    from . import admission, observe
+    from . import admission, observe, requests
     from .cpu import linear, rowwise, sampling
 
-    for module in (admission, observe, sampling, linear, rowwise):
+    for module in (admission, observe, requests, sampling, linear, rowwise):
         module.register_hooks(check_signature)
 
 

@@ -1,10 +1,11 @@
 """Where a speculative step's time goes inside SGLang: `ENTMTP_PROFILE=FILE` appends one JSON line per decode step.
 
-Each line holds the step's tree, batch size and seconds per stage (wall time on the scheduler thread; on a GPU
-the stages are not synchronised, so only the total is exact there):
+Each line holds the step's tree, batch size, seconds per stage (wall time on the scheduler thread; on a GPU
+the stages are not synchronised, so only the total is exact there) and how many times each stage ran (`calls`: a
+count, not a time, so a test can read which passes a step ran):
 
     {"tree": "chain:2", "bs": 1, "total": 0.081, "choose": 0.0004, "draft": 0.021, "draft_forward": 0.018,
-     "verify": 0.045, "target_forward": 0.039, "draft_extend": 0.012, "rest": 0.0, ...}
+     "verify": 0.045, "target_forward": 0.039, "draft_extend": 0.012, ..., "calls": {"draft_forward": 2, ...}}
 
 `bench/sglang_step_profile.py` serves with it and turns the lines into the breakdown table. Stages nest
 (`catch_up` is inside `choose`, `draft_forward` inside `draft`, `draft_extend` and `catch_up`,
@@ -28,10 +29,12 @@ class StepProfiler:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.stages: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
         self.start: float | None = None
 
     def begin_step(self) -> None:
         self.stages = defaultdict(float)
+        self.calls = defaultdict(int)
         self.start = time.perf_counter()
 
     def wrap(self, owner, attr: str, stage: str) -> None:
@@ -40,6 +43,7 @@ class StepProfiler:
 
         def timed(*args, **kwargs):
             t0 = time.perf_counter()
+            self.calls[stage] += 1
             try:
                 return fn(*args, **kwargs)
             finally:
@@ -67,6 +71,6 @@ class StepProfiler:
         self.start = None
         top = sum(v for k, v in self.stages.items() if k in TOP_LEVEL)
         row = {**fields, "total": round(total, 6), **{k: round(v, 6) for k, v in self.stages.items()},
-               "other": round(max(total - top, 0.0), 6)}
+               "other": round(max(total - top, 0.0), 6), "calls": dict(self.calls)}
         with open(self.path, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -3,7 +3,7 @@
 Per decode step the worker hands this object the drafter's root distribution (from the draft-extend logits it
 already has), the top candidates at every node it expands, the drafted tokens, and after verification the
 target's token after every node (`observe.py`) and the step's wall time. Each request's step becomes one
-`PositionRecord` (`calibrate/online.py`). They go to
+`PositionRecord` (`costs/online.py`). They go to
 
 * `ENTMTP_RECORD=FILE`: one JSON line per step (tree, batch size, seconds, records), which
   `entmtp calibrate --engine sglang` turns into a tree set;
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..calibrate.online import OnlineCalibration, StepObservation, position_record
+from ..costs.online import OnlineCalibration, StepObservation, position_record
 from ..policy.signals import entropy_nats, top_margin
 from ..tree.treeset import TreeSet
 
@@ -50,7 +50,8 @@ class StepObserver:
         self._roots: dict = {}      # rid -> (ids, probs, entropy, margin) of the drafter's next root
         self._expanded: dict = {}   # node -> (ids (bs, R), probs (bs, R)) this step
         self._tokens: dict = {}     # node -> drafted tokens (bs,) this step
-        self._ids: dict = {}        # rid -> small int (PositionRecord.prompt)
+        self._ids: dict = {}        # rid -> small int (PositionRecord.prompt), live requests
+        self._next_id = 0
         largest = max(tree_set.trees, key=lambda e: (e.tree.num_nodes, e.tree.max_depth))
         self._probe = largest.tree.name
 
@@ -98,10 +99,11 @@ class StepObserver:
         ent, margin = entropy_nats(logits.float()).tolist(), top_margin(logits.float()).tolist()
         for i, r in enumerate(reqs):
             self._roots[r.rid] = (ids[i].tolist(), probs[i].tolist(), ent[i], margin[i])
-        if len(self._roots) > 4 * max(64, len(reqs)):
-            live = {r.rid for r in reqs}
-            self._roots = {k: v for k, v in self._roots.items() if k in live}
-            self._ids = {k: v for k, v in self._ids.items() if k in live}
+
+    def forget(self, rid) -> None:
+        """A request SGLang released: its root and record id go (the worker's `RequestTable` calls this)."""
+        self._roots.pop(rid, None)
+        self._ids.pop(rid, None)
 
     def step(self, reqs, plan, chosen: int | None, seconds: float, verified,
              ragged: tuple[int, int] | None = None) -> None:
@@ -135,7 +137,9 @@ class StepObserver:
                 tgt[node] = row[j]
             toks = (-1, *(int(tokens[n][b]) for n in range(1, len(parents))))
             exp = {0: (root[0], root[1]), **{n: (ids[b].tolist(), ps[b].tolist()) for n, (ids, ps) in expanded.items()}}
-            rid = self._ids.setdefault(r.rid, len(self._ids))
+            if r.rid not in self._ids:   # record ids count up, never reused after a request is forgotten
+                self._ids[r.rid], self._next_id = self._next_id, self._next_id + 1
+            rid = self._ids[r.rid]
             records.append(position_record(StepObservation(parents, toks, exp, tuple(tgt)), self.max_depth,
                                            self.max_rank, rid, len(getattr(r, "output_ids", ()) or ()),
                                            root[2], float(target_entropy[b]), root[3]))

@@ -4,7 +4,7 @@ Chains up to the drafter's depth, and, where the drafter offers more than one ca
 two or three wide at the root with a chain under the top candidate. Its acceptance predictor assumes the
 drafter is calibrated (a candidate drafted with probability p is accepted with probability p) and its costs
 are a prior (each node and level adds to a plain step); both are replaced by measurements as the server
-runs (`calibrate/online.py`).
+runs (`costs/online.py`).
 """
 
 from __future__ import annotations

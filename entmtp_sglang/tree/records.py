@@ -1,7 +1,7 @@
 """One calibration record: what the drafter proposed at a position and where the target's continuation ranked.
 
 Written by the offline calibration (`calibrate.record_positions`, teacher forcing: every rank known) and by
-a serving ENTMTP worker (`calibrate/online.position_record`: rank -1 where a verified step cannot tell).
+a serving ENTMTP worker (`costs/online.position_record`: rank -1 where a verified step cannot tell).
 """
 
 from __future__ import annotations

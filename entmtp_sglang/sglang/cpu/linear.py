@@ -6,9 +6,10 @@ Those cost about twice as much for 4 rows as for 1 (the 49k-token output layer t
 so a verify pass over a small tree paid for each node in every layer; and they are not batch-invariant (MKL
 rounds one row differently from several), so a verified tree's root could differ from plain decoding's at a
 near-tie. The chosen path reads each weight once for all rows and computes each row the same way whatever the
-rows beside it (`bench/linear_head.py` measures it per shape). Installed by the plugin in every SGLang process on
-the CPU engine, plain servers included: a plain server with the package is as fast as stock SGLang or faster, and
-ENTMTP is checked against it on the same layers. Results differ from SGLang's own by float rounding only.
+rows beside it (`bench/experiments/linear_head.py` measures it per shape).
+Installed by the plugin in every SGLang process on the CPU engine, plain servers included: a plain server with
+the package is as fast as stock SGLang or faster, and ENTMTP is checked against it on the same layers. Results
+differ from SGLang's own by float rounding only.
 Where the machine's choice is `F.linear` itself (`ENTMTP_LINEAR=torch`, or `ENTMTP_ONEDNN=0`), nothing is hooked.
 
 Only where SGLang would itself call `F.linear` / `torch.matmul` on float32 CPU tensors: quantized, AMX, LoRA

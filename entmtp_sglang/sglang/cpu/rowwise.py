@@ -21,6 +21,7 @@ import os
 import torch
 
 from ...kernels import rowwise_ops as ops
+from ...settings import settings
 from ..patches import RMSNORM, ROPE, SILU_AND_MUL, hooked
 
 logger = logging.getLogger(__name__)
@@ -86,7 +87,7 @@ _RMSNORM, _ADD_RMSNORM, _SILU_AND_MUL, _ROPE = (_op(n) for n in ("rmsnorm", "add
 
 def register_hooks(check_signature) -> None:
     """Install the three hooks (CPU engine only, where the ops are built and ENTMTP_ROWWISE is not 0)."""
-    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1" or os.environ.get("ENTMTP_ROWWISE", "1") == "0":
+    if os.environ.get("SGLANG_USE_CPU_ENGINE", "0") != "1" or not settings().rowwise:
         return
     if not ops.available():
         logger.warning("ENTMTP: the row-wise CPU ops are unavailable (%s); SGLang's own RMSNorm, SiLU and rotary "

@@ -26,10 +26,9 @@ distribution (FlashInfer's order, as on GPU), while SGLang's plain CPU sampler t
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from ...settings import settings
 from ..patches import USES_GREEDY, hooked
 
 ENV_CPU_SAMPLING = "ENTMTP_CPU_SAMPLING"
@@ -126,10 +125,8 @@ def top_p_renorm_prob(probs: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor
 
 
 def cpu_sampling_enabled() -> bool:
-    flag = os.environ.get(ENV_CPU_SAMPLING, "1").strip().lower()
-    if flag not in ("0", "1", "false", "true", "off", "on"):
-        raise ValueError(f"{ENV_CPU_SAMPLING} must be 0 or 1, got {flag!r}")
-    return flag in ("1", "true", "on")
+    """ENTMTP_CPU_SAMPLING (settings.py): exact tree rejection sampling for sampled requests on CPU."""
+    return settings().cpu_sampling
 
 
 def uses_greedy_around(original, **kwargs):

@@ -3,9 +3,9 @@
 A verified step of one request tells, along the path the target actually takes through the drafted tree, the
 rank of the target's token among the drafter's candidates at each drafted node on that path (greedy: the
 target's argmax), and the drafter's top probabilities there. `position_record` turns one step into the same
-`PositionRecord` the offline calibration writes (`records.py`), with rank -1 where the step cannot tell
+`PositionRecord` the offline calibration writes (`calibrate/records.py`), with rank -1 where the step cannot tell
 (the path left the drafted tree, or reached a node that was not expanded). Those records feed both
-`entmtp calibrate --engine sglang` (a tree set from a recording run, `through_sglang.py`) and
+`entmtp calibrate --engine sglang` (a tree set from a recording run, `calibrate/through_sglang.py`) and
 `OnlineCalibration`, which ENTMTP runs when it starts with a generic set (`tree/generic.py`), or on a calibrated set
 with `ENTMTP_ONLINE_CALIBRATION=1`: every `refit_every` steps it refits the per-node acceptance predictor on the
 records so far (depths with too few observations keep the set's own predictor, or for the generic set the
@@ -86,7 +86,7 @@ def fit_costs(trees: Sequence[Tree], measured: dict[tuple[int, int], tuple[float
     if not pts:
         return None
     # chain:0 (a resting step, SGLang's plain decode) is another regime than a speculative step (its fixed part
-    # is larger: costs.StepCostModel): the speculative trees are fitted on speculative steps only, and chain:0
+    # is larger: calibrate/costs.StepCostModel): the speculative trees are fitted on speculative steps only, and chain:0
     # is its own measurement or, until it is measured here, the set's prior, never scaled by speculative steps
     spec = [p for p in pts if p[0].num_nodes > 1]
     fitted = list(prior)

@@ -7,9 +7,9 @@ A speculating step (some row drafts, max depth >= 1) costs
 
 (total_tokens: the tokens the target verifies, a resting row's one included; max_depth: the levels the batch
 drafts), and a step where every row rests (max depth 0) is SGLang's plain decode, another regime
-(`costs.StepCostModel`'s chain:0): `plain_base + plain_per_row * batch_size` when measured. Every coefficient is
->= 0, so the cost is affine and nondecreasing in total_tokens and nondecreasing in max_depth: what makes the
-budget's greedy exact.
+(`calibrate/costs.StepCostModel`'s chain:0): `plain_base + plain_per_row * batch_size` when measured. Every
+coefficient is >= 0, so the cost is affine and nondecreasing in total_tokens and nondecreasing in max_depth: what
+makes the budget's greedy exact.
 
 `fit_ragged_cost` fits it on timed steps (the median of each (tokens, depth, batch) point, weighted by sqrt of its
 count, as `online.fit_costs` weighs its points) by non-negative least squares; with fewer than three distinct
@@ -281,7 +281,7 @@ def tree_set_cost(tree_set, batch_size: int) -> tuple[RaggedStepCost, int]:
     `batch_size`: each speculating tree a step of m * nodes tokens at its depth, chain:0 the plain step; returns
     (cost, m). A set's costs were timed on padded `m x N` verifies, so the line prices a ragged step by its
     tokens; with fewer than MIN_POINTS speculating points, a line through the origin at the dearest per token. A set
-    calibrated through SGLang with ragged steps (`provenance["ragged_step_cost"]`, through_sglang.ragged_cost)
+    calibrated through SGLang with ragged steps (`provenance["ragged_step_cost"]`, calibrate/through_sglang.ragged_cost)
     gives that fit itself, at `batch_size`."""
     fitted = set_ragged_prior(tree_set)
     if fitted is not None:

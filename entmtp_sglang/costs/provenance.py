@@ -30,7 +30,7 @@ def hardware() -> str:
 def calibrated(prompts: int, positions: int, max_new_tokens: int, max_rank: int, correlations: dict,
                bin_sizes: list[int], models: dict, cost_source: dict | None) -> dict:
     """A calibrated set's provenance: its records, the signals' correlations with acceptance, the step-cost
-    models per batch size (`costs.StepCostModel`) and where they came from, the commit and the time."""
+    models per batch size (`calibrate/costs.StepCostModel`) and where they came from, the commit and the time."""
     return {"prompts": prompts, "positions": positions, "split": "calib",
             "max_new_tokens": max_new_tokens, "max_rank": max_rank,
             "signal_correlations": correlations, "bin_sizes": bin_sizes,
