@@ -1,27 +1,46 @@
 """The product benchmark: ENTMTP as `make serve` starts it against stock SGLang, plain SGLang with this package
-installed, SGLang's EAGLE (the static grid) and `--speculative-adaptive`, on SmolLM2-135M-Instruct on this CPU.
+installed (on its `entmtp_torch` attention, the baseline of what speculation adds, and on `torch_native`), SGLang's
+EAGLE (the static grid) and `--speculative-adaptive`, on SmolLM2-135M-Instruct on this CPU.
 
     .venv/bin/python bench/sglang_speed.py                  # 50-120 minutes on 2 cores; bench/results/sglang_speed.*
     .venv/bin/python bench/sglang_speed.py --render bench/results/sglang_speed.jsonl.gz  # the table again, no servers
     .venv/bin/python bench/sglang_speed.py --render bench/results/sglang_speed.jsonl.gz --headline  # README's tables
     .venv/bin/python bench/sglang_speed.py --tasks code --batches 1 --per-task 2 --max-new-tokens 8 --repeats 1
-        --systems plain,entmtp --out /tmp/smoke      # a smoke run (a few minutes): stock, plain and ENTMTP, code
+        --systems plain,entmtp --out /tmp/smoke      # a smoke run (a few minutes): stock, both plains, ENTMTP, code
 
 Systems (entmtp_sglang/bench/sglang_benchmark.py says how each is started):
 - `plain-stock`, the baseline: stock SGLang, this package's general plugin not loaded (SGLANG_PLUGINS=entmtp_cpu_ops:
   only the eight sgl_kernel CPU ops SGLang cannot start on a CPU without), SGLang's own linear layers, attention
-  (torch_native) and sampling. Every ratio divides by it, every paired ratio by its run beside in the same wave.
-- `plain`: plain SGLang with this package installed (the plugin's CPU linear layers, sglang/cpu/linear.py); ENTMTP's
-  greedy output is checked against it token for token (the same layers), and every output against stock's too.
+  (torch_native) and sampling. Every ratio over stock divides by it, every paired one by its run beside in the same
+  wave.
+- `plain-entmtp`, the baseline of what speculation adds: plain SGLang with this package installed (the plugin's CPU
+  linear layers, sglang/cpu/linear.py, and row-wise ops) on the plugin's `entmtp_torch` attention, the backend ENTMTP
+  and the EAGLE servers run on, with SGLang's overlap scheduling on as plain SGLang runs it (nothing turns it off:
+  SGLang does only for speculative algorithms on a CPU, the plugin only for ENTMTP). Every "what speculation adds"
+  figure divides by it: the table's `vs plain-entmtp, paired` column, ENTMTP's table against EAGLE (`versus`), and
+  in the headline the column over it, ENTMTP vs plain and the third table. ENTMTP's greedy output is checked
+  against it token for token (the same layers), and every output against stock's too.
+- `plain`: the same plain server on SGLang's `torch_native` attention (what the package's layers alone give over
+  stock); its greedy outputs are checked against `plain-entmtp`'s, so the two plain servers must agree. Runs from
+  before `plain-entmtp` (the committed one among them) divide what speculation adds by `plain` instead
+  (`speculation_baseline`), and render as they did.
 - `entmtp`: `--speculative-algorithm ENTMTP` as `make serve` starts it.
 - SGLang's EAGLE over the static grid (s1-k1-n2, s2-k1-n3, s3-k1-n4, s3-k2-n6) and `--speculative-adaptive`, with the
   same EAGLE drafter and token map. Stock SGLang cannot run them on a CPU (torch_native refuses EAGLE; intel_amx
   needs a CPU build of sgl-kernel), so they run in the closest form: the plugin loaded for its `entmtp_torch`
   attention and CPU ops, on SGLang's own layers (ENTMTP_LINEAR=torch, ENTMTP_ROWWISE=0; `--eagle-layers package`
   puts them on the plugin's layers instead).
-Each SmolLM2 server holds about 4 GiB here, so no more than four are up at once (--at-once): stock and plain in
-every wave, two others beside them, ENTMTP's wave first. A second table gives ENTMTP's paired ratio over the best
-static EAGLE setting's and adaptive's.
+Each SmolLM2 server holds about 4 GiB here, so no more than four are up at once (--at-once, `waves`): stock and
+`plain-entmtp` in every wave (EVERY_WAVE), two others beside them, in SYSTEMS' order: ENTMTP with adaptive first,
+then the static grid two at a time, and `plain` (torch_native) last, in a wave of the three plain servers (four
+waves, 15 server runs, against three waves and 12 before `plain-entmtp`). Why `plain` left every wave: a fifth
+server does not fit, and with both plains in every wave one slot would be left per wave (six waves, 24 server
+runs). Every ratio the README uses stays computable and paired, as each needs only a system and the baseline(s) of
+its wave: over stock (every system), over `plain-entmtp` (ENTMTP, EAGLE, adaptive, `plain`), `plain` over stock,
+and ENTMTP against EAGLE through `plain-entmtp`. What `plain` paired with before, ENTMTP's ratio over it, is what
+speculation adds over the slower attention, no longer a headline figure; it still follows from the two paired
+ratios over stock. A second table gives ENTMTP's paired ratio over the best static EAGLE setting's and adaptive's
+(each over the `plain-entmtp` run beside it; over stock in older runs).
 
 Workloads (held-out prompts through the model's chat template, greedy, float32): code, chat, prose, JSON under a
 schema (the json task's schemas), tool calls under a schema (bench/workloads/tool_calls.json), each at batch 1
@@ -29,18 +48,21 @@ and 4; the mixed stream (all of them, task after task) at batch 8 and 16, and at
 five tasks' runs (the same requests: tokens over seconds added up); the mixed batch (JSON, tool calls, code and chat
 taken in turn, so that every batch in flight mixes them, as agent traffic does) at batch 4, 8 and 16, with a table of
 the trees each kind of request took inside it (ENTMTP picks a tree per request). The two schema workloads run again
-in the compact JSON layout (`json-compact`, `tool-call-compact`: stock, plain and ENTMTP restarted with SGLang's
+in the compact JSON layout (`json-compact`, `tool-call-compact`: stock, both plains and ENTMTP, one wave, restarted
+with SGLang's
 --constrained-json-disable-any-whitespace, where the grammar alone decides much more of the text; `--json-layouts`).
 The forced-spans column: the share of the output tokens that came from forced spans (text the grammar decides,
 drafted below ENTMTP's trees), their acceptance and tokens verified per span; after "repeats:", the same for lookup
 spans (the request's own text repeating where the grammar decides nothing, ENTMTP_LOOKUP_SPANS). The servers of a
-wave are measured interleaved (entmtp_sglang/bench/sglang_benchmark.py); tokens/s is the median over repeats, and
-every output is compared with plain decoding's (with this package) and stock SGLang's.
+wave are measured interleaved (entmtp_sglang/bench/sglang_benchmark.py): stock first, then `plain-entmtp`, then the
+others; tokens/s is the median over repeats, and every output is compared with plain decoding's (with this package:
+`plain-entmtp`'s) and stock SGLang's.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import re
@@ -51,6 +73,7 @@ from entmtp_sglang.bench.sglang_benchmark import (
     ADAPTIVE,
     EAGLE_GRID,
     PLAIN,
+    PLAIN_ENTMTP,
     STOCK,
     Row,
     SystemSpec,
@@ -59,10 +82,12 @@ from entmtp_sglang.bench.sglang_benchmark import (
     machine,
     meta_from_jsonl,
     over_best,
+    paired_over,
     paired_ratio,
     rows_from_jsonl,
     run_workloads,
     sglang_layers,
+    speculation_baseline,
     to_markdown,
     versus,
     write,
@@ -105,11 +130,13 @@ ENTMTP_EAGLE3 = SystemSpec("entmtp-eagle3", "ENTMTP", draft="eagle3")
 # ENTMTP with another drafter's weights (`--compare-draft DIR`: say the drafter shipped before a refresh, against the
 # one shipped now), in the same run
 COMPARE = SystemSpec("entmtp-compare-draft", "ENTMTP")
-# stock and plain in every wave; ENTMTP's wave first, beside adaptive
-SYSTEMS = (STOCK, PLAIN, ENTMTP, *EAGLE_SGLANG_LAYERS)
+# stock and plain on entmtp_torch in every wave (the two baselines); ENTMTP's wave first, beside adaptive; plain on
+# torch_native last, in a wave of the three plain servers (module docstring)
+SYSTEMS = (STOCK, PLAIN_ENTMTP, ENTMTP, *EAGLE_SGLANG_LAYERS, PLAIN)
 OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED, ENTMTP_NO_LOOKUP, ENTMTP_NO_REST_SPANS,
             ENTMTP_LOOKUP_CONSTRAINED, ENTMTP_NO_SPAN_ENDS, ENTMTP_NO_GUARD)
-EVERY_WAVE = (STOCK.name, PLAIN.name)
+EVERY_WAVE = (STOCK.name, PLAIN_ENTMTP.name)
+BASELINES = (STOCK, PLAIN_ENTMTP)   # always run: every ratio divides by one of them
 DEFAULT = tuple(s.name for s in SYSTEMS)
 AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB
 TASKS = ("code", "chat", "prose", "json", "tool-call")
@@ -117,7 +144,7 @@ TASKS = ("code", "chat", "prose", "json", "tool-call")
 # server flag: a second set of servers), on these systems where they run
 COMPACT = "--constrained-json-disable-any-whitespace"
 COMPACT_TASKS = ("json", "tool-call")
-COMPACT_SYSTEMS = (STOCK.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name, ENTMTP_NO_FORCED.name,
+COMPACT_SYSTEMS = (STOCK.name, PLAIN_ENTMTP.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name, ENTMTP_NO_FORCED.name,
                    ENTMTP_NO_LOOKUP.name, ENTMTP_NO_REST_SPANS.name, ENTMTP_NO_SPAN_ENDS.name)
 # the mixed batch: agent traffic, every batch in flight mixing schema extraction, tool calls, code and chat
 MIXED_BATCH_TASKS = ("json", "tool-call", "code", "chat")
@@ -132,10 +159,12 @@ def with_compare_draft(specs: list[SystemSpec], draft: Path, tree_set: Path | No
 
 
 def systems_for(names: list[str], eagle_layers: str = "sglang") -> list[SystemSpec]:
-    """The specs to run, in SYSTEMS' order: the named ones and the baseline (stock SGLang), which every ratio needs.
+    """The specs to run, in SYSTEMS' order: the named ones and the two baselines (`BASELINES`: stock SGLang, which
+    every ratio over stock needs, and plain with the package on entmtp_torch, which what speculation adds needs).
     `eagle_layers="package"`: EAGLE and adaptive on this package's linear layers instead of SGLang's."""
-    specs = (SYSTEMS if eagle_layers == "sglang" else (STOCK, PLAIN, ENTMTP, ADAPTIVE, *EAGLE_GRID)) + OPTIONAL
-    wanted = set(names) | {STOCK.name}
+    specs = (SYSTEMS if eagle_layers == "sglang" else (STOCK, PLAIN_ENTMTP, ENTMTP, ADAPTIVE, *EAGLE_GRID, PLAIN)
+             ) + OPTIONAL
+    wanted = set(names) | {s.name for s in BASELINES}
     return [s for s in specs if s.name in wanted]
 
 
@@ -241,11 +270,16 @@ def _per_repeat(parts: list[tuple[int, list[float]]]) -> list[float]:
 def mixed_rows(rows: list[Row], batches) -> list[Row]:
     """The mixed stream at `batches` from the per-task rows: each system's tokens and seconds added up, per repeat
     too, and so the baseline's runs beside them (their paired ratio; the baseline is stock SGLang when the rows
-    have it, `baseline_of`)."""
+    have it, `baseline_of`) and those of the other systems of every wave (`Row.beside`: plain with the package on
+    entmtp_torch)."""
     out = []
     baseline = baseline_of(rows)
     for b in batches:
         base = {r.task: r for r in rows if r.system == baseline and r.batch == b}
+        of = collections.defaultdict(dict)   # system -> task -> row, for the runs beside others
+        for r in rows:
+            if r.batch == b:
+                of[r.system][r.task] = r
         for system in dict.fromkeys(r.system for r in rows):
             part = [r for r in rows if r.system == system and r.batch == b and r.task in TASKS]
             if part:
@@ -260,12 +294,15 @@ def mixed_rows(rows: list[Row], batches) -> list[Row]:
                 per_repeat = _per_repeat([(r.tokens, r.repeat_tokens_per_s) for r in part])
                 beside = ([] if not all(r.plain_repeat_tokens_per_s and r.task in base for r in part) else
                           _per_repeat([(base[r.task].tokens, r.plain_repeat_tokens_per_s) for r in part]))
+                others = {n: _per_repeat([(of[n][r.task].tokens, r.beside[n]) for r in part])
+                          for n in set.intersection(*(set(r.beside) for r in part))
+                          if all(r.task in of[n] for r in part)}
                 out.append(Row(system, b, sum(r.tokens for r in part), sum(r.seconds for r in part),
                                [a for r in part for a in r.accept_lengths], trees,
                                None if None in eq else sum(eq), sum(r.requests for r in part), per_repeat,
                                task="mixed", plain_repeat_tokens_per_s=beside,
                                equal_to_stock=None if None in eq_stock else sum(eq_stock), forced=forced,
-                               lookup=lookup))
+                               lookup=lookup, beside={n: v for n, v in others.items() if v}))
     return out
 
 
@@ -289,7 +326,20 @@ def preface(rows: list[Row], meta: dict | None = None) -> str:
                      "row-wise ops). "
                      "greedy = plain / = stock: outputs equal to theirs token for token (the fewest over repeats)."
                      + (f" EAGLE and adaptive: {how}." if how else ""))
+    if speculation_baseline(rows) == PLAIN_ENTMTP.name:
+        lines.append(f"What speculation adds divides by `{PLAIN_ENTMTP.name}`, plain SGLang with this package on its "
+                     "`entmtp_torch` attention with overlap scheduling on (the layers and attention ENTMTP and EAGLE "
+                     f"run on), measured in every wave: the `vs {PLAIN_ENTMTP.name}, paired` column (over its run "
+                     "beside in the same wave and repeat) and ENTMTP's table against EAGLE below. greedy = plain "
+                     f"compares with `{PLAIN_ENTMTP.name}`'s outputs, `{PLAIN.name}`'s (on `torch_native`) too.")
     return "\n".join(lines) + ("\n\n" if lines else "")
+
+
+def through(rows: list[Row]) -> str:
+    """The system ENTMTP's and EAGLE's paired ratios go through when they are compared with each other (`versus`,
+    the headline's columns against adaptive and the best static setting): plain with the package on entmtp_torch
+    where the run has it (what speculation adds, over each one's run beside it), else (older runs) stock SGLang."""
+    return PLAIN_ENTMTP.name if speculation_baseline(rows) == PLAIN_ENTMTP.name else STOCK.name
 
 
 def tables(rows: list[Row], meta: dict | None = None) -> str:
@@ -297,10 +347,12 @@ def tables(rows: list[Row], meta: dict | None = None) -> str:
     names = {r.system for r in rows}
     statics = [s.name for s in EAGLE_GRID if s.name in names]
     text = preface(rows, meta) + to_markdown(rows)
-    base = "stock" if baseline_of(rows) == STOCK.name else "plain"
+    via = through(rows)
+    base = ("stock" if baseline_of(rows) == STOCK.name else "plain") if via == STOCK.name else f"`{via}`"
     if "entmtp" in names and (statics or ADAPTIVE.name in names):
         text += (f"\n\nENTMTP's paired ratio to {base} over each system's (the best static EAGLE setting named):\n\n"
-                 + versus(rows, "entmtp", {"best static EAGLE": statics, "adaptive": [ADAPTIVE.name]}))
+                 + versus(rows, "entmtp", {"best static EAGLE": statics, "adaptive": [ADAPTIVE.name]},
+                          via if via == PLAIN_ENTMTP.name else None))
     per_label = trees_per_label(rows)
     return text + (f"\n\n{per_label}" if per_label else "")
 
@@ -309,6 +361,8 @@ def tables(rows: list[Row], meta: dict | None = None) -> str:
 HEADLINE_LABELS = {
     STOCK.name: "stock SGLang, plain decoding",
     PLAIN.name: "plain SGLang with this package installed (its CPU linear layers and row-wise ops)",
+    PLAIN_ENTMTP.name: ("plain SGLang with this package on its `entmtp_torch` attention, overlap on (ENTMTP's layers "
+                        "and attention: the baseline of what speculation adds)"),
     ADAPTIVE.name: "SGLang's EAGLE, `--speculative-adaptive` (steps 3, top-k 1{layers})",
     "best static": ("SGLang's EAGLE, the best static setting in hindsight (`{setting}`, best by the paired "
                     "ratio{layers})"),
@@ -316,6 +370,9 @@ HEADLINE_LABELS = {
     ENTMTP_EAGLE3.name: "ENTMTP with SmolLM2's EAGLE-3 drafter (`--speculative-draft-model-path .../eagle3`)",
     ENTMTP_NO_LOOKUP.name: "ENTMTP without lookup spans (`ENTMTP_LOOKUP_SPANS=0`: no request's own repeats as drafts)",
 }
+# plain's line where the run also has plain on entmtp_torch (PLAIN_ENTMTP), which the old label would not tell apart
+PLAIN_TORCH_NATIVE_LABEL = ("plain SGLang with this package installed, on SGLang's `torch_native` attention (its CPU "
+                            "linear layers and row-wise ops)")
 # the second table's columns: ENTMTP over stock on each workload
 HEADLINE_TASKS = (("code", "code"), ("chat", "chat"), ("prose", "prose"), ("json", "JSON, schema"),
                   ("tool-call", "tool call, schema"), ("json-compact", "JSON, compact"),
@@ -336,12 +393,21 @@ def headline(rows: list[Row], meta: dict | None = None) -> str:
     """The README's headline tables from a run's rows (`--render JSONL --headline`; the README carries them as
     printed, and a test checks that they are the committed run's): the systems at batch 1 on the mixed stream, then
     ENTMTP against stock SGLang per workload and batch size, against plain with the package, and its paired ratio
-    over adaptive and the best static EAGLE setting (`over_best`)."""
+    over adaptive and the best static EAGLE setting (`over_best`).
+
+    What speculation adds divides by plain SGLang with the package on `entmtp_torch`, overlap on (`PLAIN_ENTMTP`,
+    `speculation_baseline`) where the run has it: the first table gets a column over it, the second table's
+    "ENTMTP vs plain" column is over it (ratio of medians, paired in brackets), ENTMTP and EAGLE are compared through
+    it (`through`), and a third table gives ENTMTP over it per workload and batch size. An older run without it
+    prints what it printed then: ENTMTP over plain on `torch_native` (ratio of medians), the comparisons through
+    stock, two tables."""
     meta = meta or {}
     base = {(r.task, r.batch): r for r in rows if r.system == STOCK.name}
     by = {(r.system, r.task, r.batch): r for r in rows}
     on = {(meta.get("layers") or {}).get(s.name) for s in EAGLE_SGLANG_LAYERS} - {None}
     layers = "; SGLang's own layers" if on == {"sglang"} else "; this package's layers" if on == {"package"} else ""
+    spec = PLAIN_ENTMTP.name if speculation_baseline(rows) == PLAIN_ENTMTP.name else None
+    via = through(rows)
 
     def pair(system: str, task: str, b: int) -> tuple[float | None, float | None]:
         r, s = by.get((system, task, b)), base.get((task, b))
@@ -353,40 +419,64 @@ def headline(rows: list[Row], meta: dict | None = None) -> str:
         ratio, paired = pair(system, task, b)
         return "" if ratio is None else f"{_x(ratio)} ({_x(paired) or '-'})"
 
+    def over(system: str, task: str, b: int, ref: str | None = spec) -> str:
+        """`system` over `ref` (plain on entmtp_torch): ratio of medians (paired)."""
+        r, s = by.get((system, task, b)), by.get((ref, task, b))
+        if r is None or s is None:
+            return ""
+        return f"{_x(r.tokens_per_s / s.tokens_per_s)} ({_x(paired_over(rows, r, ref)) or '-'})"
+
     statics = [s.name for s in EAGLE_GRID if any(r.system == s.name for r in rows)]
 
-    lines = ["| system (batch 1, mixed workloads) | tok/s | vs stock SGLang (paired) |", "|---|---|---|"]
+    lines = (["| system (batch 1, mixed workloads) | tok/s | vs stock SGLang (paired) | vs plain with the package on "
+              "`entmtp_torch` (paired) |", "|---|---|---|---|"] if spec else
+             ["| system (batch 1, mixed workloads) | tok/s | vs stock SGLang (paired) |", "|---|---|---|"])
     names = list(dict.fromkeys(r.system for r in rows if r.task == "mixed" and r.batch == 1))
     order = [n for n in HEADLINE_LABELS if n in names or n == "best static"]
     order += [n for n in names if n not in HEADLINE_LABELS and n not in statics]
     for name in order:
-        setting = (best_paired(rows, statics, "mixed", 1) or (None, None))[1] if name == "best static" else None
+        setting = ((best_paired(rows, statics, "mixed", 1, via) or (None, None))[1] if name == "best static"
+                   else None)
         if name == "best static" and setting is None:
             continue
         system = setting or name
         r = by[(system, "mixed", 1)]
-        label = HEADLINE_LABELS.get(name, f"`{name}`").format(setting=(setting or "").removeprefix("eagle-"),
-                                                               layers=layers)
+        label = (PLAIN_TORCH_NATIVE_LABEL if spec and name == PLAIN.name else HEADLINE_LABELS.get(name, f"`{name}`")
+                 ).format(setting=(setting or "").removeprefix("eagle-"), layers=layers)
         tps, ratio = f"{r.tokens_per_s:.1f}", cell(system, "mixed", 1)
+        added = over(system, "mixed", 1) if spec else None
         if name == ENTMTP.name:
-            tps, ratio = f"**{tps}**", f"**{ratio}**"
-        lines.append(f"| {label} | {tps} | {ratio} |")
+            tps, ratio, added = f"**{tps}**", f"**{ratio}**", added and f"**{added}**"
+        lines.append(f"| {label} | {tps} | {ratio} |" + (f" {added} |" if spec else ""))
 
     def versus_best(task: str, b: int, others: list[str]) -> str:
-        return _x((over_best(rows, ENTMTP.name, others, task, b, STOCK.name) or (None,))[0])
+        return _x((over_best(rows, ENTMTP.name, others, task, b, via) or (None,))[0])
 
-    head = ["batch", *(h for _, h in HEADLINE_TASKS), "plain with the package (mixed)",
-            "mixed, ENTMTP vs plain with the package", "mixed vs adaptive", "mixed vs best static",
-            "mixed batch vs adaptive", "mixed batch vs best static"]
+    plains = ([("plain with the package, `torch_native` (mixed)", PLAIN.name),
+               ("plain with the package, `entmtp_torch` (mixed)", PLAIN_ENTMTP.name)] if spec else
+              [("plain with the package (mixed)", PLAIN.name)])
+    head = ["batch", *(h for _, h in HEADLINE_TASKS), *(h for h, _ in plains),
+            "mixed, ENTMTP vs plain on `entmtp_torch` (paired)" if spec else "mixed, ENTMTP vs plain with the package",
+            "mixed vs adaptive", "mixed vs best static", "mixed batch vs adaptive", "mixed batch vs best static"]
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for b in sorted({r.batch for r in rows if r.system == ENTMTP.name}):
+    batches = sorted({r.batch for r in rows if r.system == ENTMTP.name})
+    for b in batches:
         ent, plain = by.get((ENTMTP.name, "mixed", b)), by.get((PLAIN.name, "mixed", b))
-        cells = [str(b), *(cell(ENTMTP.name, t, b) for t, _ in HEADLINE_TASKS), cell(PLAIN.name, "mixed", b),
+        cells = [str(b), *(cell(ENTMTP.name, t, b) for t, _ in HEADLINE_TASKS),
+                 *(cell(n, "mixed", b) for _, n in plains),
+                 over(ENTMTP.name, "mixed", b) if spec else
                  _x(ent.tokens_per_s / plain.tokens_per_s) if ent and plain else "",
                  versus_best("mixed", b, [ADAPTIVE.name]), versus_best("mixed", b, statics),
                  versus_best("mixed-batch", b, [ADAPTIVE.name]), versus_best("mixed-batch", b, statics)]
         table.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n\n" + "\n".join(table)
+    text = "\n".join(lines) + "\n\n" + "\n".join(table)
+    if spec:   # what speculation adds, per workload: ENTMTP over plain on entmtp_torch
+        head = ["batch (ENTMTP over plain with the package on `entmtp_torch`, paired)", *(h for _, h in HEADLINE_TASKS)]
+        adds = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        adds += ["| " + " | ".join([str(b), *(over(ENTMTP.name, t, b) for t, _ in HEADLINE_TASKS)]) + " |"
+                 for b in batches]
+        text += "\n\n" + "\n".join(adds)
+    return text
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -402,7 +492,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--systems", default=",".join(DEFAULT), help="comma-separated, from: " + ", ".join(
         s.name for s in SYSTEMS + OPTIONAL) + f" (default: all but {', '.join(s.name for s in OPTIONAL)}); "
-        f"{STOCK.name}, the baseline, always runs")
+        f"{STOCK.name} and {PLAIN_ENTMTP.name}, the baselines, always run")
     ap.add_argument("--tasks", default=",".join(TASKS) + ",mixed,mixed-batch", help="comma-separated workloads, "
                     "from: " + ", ".join(TASKS) + ", mixed (the mixed stream: all the tasks' prompts, task after "
                     "task), mixed-batch (" + ", ".join(MIXED_BATCH_TASKS) + " taken in turn, so every batch in "
@@ -421,7 +511,8 @@ def main() -> None:
                     "EAGLE and adaptive servers: SGLang's own (default: the closest to stock SGLang they run in on a "
                     "CPU) or this package's")
     ap.add_argument("--at-once", type=int, default=AT_ONCE, help="the most servers up together; more systems run "
-                    "in waves, stock and plain SGLang in each (default %(default)s: each server holds about 4 GiB)")
+                    f"in waves, {STOCK.name} and {PLAIN_ENTMTP.name} in each (default %(default)s: each server holds "
+                    "about 4 GiB)")
     ap.add_argument("--compare-draft", type=Path, metavar="DIR", default=None,
                     help=f"also run ENTMTP with the drafter in DIR (system {COMPARE.name}; the same tree set, on every "
                     "layout): another drafter's weights against the shipped one's in the same run")
@@ -482,13 +573,17 @@ def main() -> None:
         work["mixed-batch"] = (payloads, tuple(args.mixed_batch_batches), labels)
     if not work and not compact_work:
         ap.error("nothing to measure: no task at any batch size")
-    every = tuple(n for n in EVERY_WAVE if n in {s.name for s in systems})
+    run_names = {s.name for s in systems}
+    every = tuple(n for n in EVERY_WAVE if n in run_names)
     t0 = time.time()
     config = {"model": model.name, "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
               "systems": [s.name for s in systems],
               "workloads": {k: list(v[1]) for k, v in {**work, **compact_work}.items()},
               "compact_systems": [s.name for s in compact_systems] if compact_work else [],
-              "baseline": STOCK.name, "every_wave": list(every), "layers": {s.name: s.layers for s in systems},
+              "baseline": STOCK.name,
+              "speculation_baseline": next((n for n in (PLAIN_ENTMTP.name, PLAIN.name) if n in run_names), None),
+              "every_wave": list(every), "layers": {s.name: s.layers for s in systems},
+              "attention": {s.name: s.attention for s in systems},
               "env": {s.name: dict(s.env) for s in systems},
               "drafts": {s.name: s.draft for s in systems if s.speculative == "ENTMTP"}}
     summed = tuple(b for b in args.batches if "mixed" not in work or b not in work["mixed"][1])

@@ -200,11 +200,13 @@ def test_the_readme_headline_is_the_committed_product_run():
 
     speed = load_script("sglang_speed")
     path = ROOT / "bench" / "results" / "sglang_speed.jsonl.gz"
-    systems, per_batch = speed.headline(speed.rendered(path), meta_from_jsonl(path)).split("\n\n")
+    systems, per_batch, *more = speed.headline(speed.rendered(path), meta_from_jsonl(path)).split("\n\n")
     readme = (ROOT / "README.md").read_text()
     assert systems.count("\n") >= 3 and "**ENTMTP**" in systems and "| 1 | " in per_batch
     assert systems in readme, "README's first headline table is not the committed run's:\n" + systems
     assert per_batch in readme, "README's per-workload headline table is not the committed run's:\n" + per_batch
+    for table in more:   # a run with plain on entmtp_torch: what speculation adds per workload
+        assert table in readme, "README's headline table is not the committed run's:\n" + table
 
 
 def test_the_headline_names_the_best_static_setting_and_skips_what_did_not_run():
@@ -247,29 +249,32 @@ def test_step_profile_pairs_each_step_with_the_plain_step_of_its_repeat_and_rend
 
 
 def test_the_product_benchmark_runs_stock_sglang_as_its_baseline_in_every_wave():
-    """bench/sglang_speed.py: stock SGLang always runs (even when --systems leaves it out) and stays up with plain in
-    every wave; ENTMTP's wave comes first; EAGLE and adaptive run on SGLang's own linear layers unless asked."""
+    """bench/sglang_speed.py: stock SGLang and plain with the package on entmtp_torch always run (even when --systems
+    leaves them out) and stay up in every wave; ENTMTP's wave comes first, plain on torch_native last; EAGLE and
+    adaptive run on SGLang's own linear layers unless asked."""
     from entmtp_sglang.bench.sglang_benchmark import waves
 
     speed = load_script("sglang_speed")
     specs = speed.systems_for(list(speed.DEFAULT))
     plan = waves(specs, speed.AT_ONCE, speed.EVERY_WAVE)
     assert [[s.name for s in w] for w in plan] == [
-        ["plain-stock", "plain", "entmtp", "eagle-adaptive"], ["plain-stock", "plain", "eagle-s1-k1-n2",
-                                                              "eagle-s2-k1-n3"],
-        ["plain-stock", "plain", "eagle-s3-k1-n4", "eagle-s3-k2-n6"]]
+        ["plain-stock", "plain-entmtp", "entmtp", "eagle-adaptive"],
+        ["plain-stock", "plain-entmtp", "eagle-s1-k1-n2", "eagle-s2-k1-n3"],
+        ["plain-stock", "plain-entmtp", "eagle-s3-k1-n4", "eagle-s3-k2-n6"],
+        ["plain-stock", "plain-entmtp", "plain"]]
     by = {s.name: s for s in specs}
     assert by["plain-stock"].stock and dict(by["plain-stock"].env) == {"SGLANG_PLUGINS": "entmtp_cpu_ops"}
     assert {n: s.layers for n, s in by.items()} == {"plain-stock": "sglang", "plain": "package", "entmtp": "package",
+                                                    "plain-entmtp": "package",
                                                     **{n: "sglang" for n in by if n.startswith("eagle-")}}
-    assert [s.name for s in speed.systems_for(["entmtp"])] == ["plain-stock", "entmtp"]
+    assert [s.name for s in speed.systems_for(["entmtp"])] == ["plain-stock", "plain-entmtp", "entmtp"]
     package = {s.name: s.layers for s in speed.systems_for(["eagle-adaptive"], "package")}
-    assert package == {"plain-stock": "sglang", "eagle-adaptive": "package"}
+    assert package == {"plain-stock": "sglang", "plain-entmtp": "package", "eagle-adaptive": "package"}
     # --compare-draft: ENTMTP on another drafter's weights, in ENTMTP's wave, the folder given in full
     compared = speed.with_compare_draft(speed.systems_for(["plain", "entmtp"]), Path("some/eagle"))
-    assert [s.name for s in compared] == ["plain-stock", "plain", "entmtp", "entmtp-compare-draft"]
-    assert compared[-1].speculative == "ENTMTP" and compared[-1].draft == str(Path("some/eagle").resolve())
-    assert compared[-1].env == ()
+    assert [s.name for s in compared] == ["plain-stock", "plain-entmtp", "entmtp", "entmtp-compare-draft", "plain"]
+    assert compared[3].speculative == "ENTMTP" and compared[3].draft == str(Path("some/eagle").resolve())
+    assert compared[3].env == ()
     other = speed.with_compare_draft([], Path("x"), Path("old-set.json"))[0]
     assert other.name == "entmtp-compare-draft"
     assert dict(other.env) == {"ENTMTP_TREE_SET": str(Path("old-set.json").resolve())}
@@ -431,3 +436,193 @@ def test_long_context_documents_are_cut_to_whole_lines_within_the_budget_and_tab
     assert ("| 1024 | cold | 0% / 99% | 10.0 | 15.0, 1.50x (1.75x) | 30.0 | 3.00x (2.75x) | 2.00x | 2.50 | 4/4 | "
             "repeats: 7% of tokens, 50% accepted" in table), table
     assert "| cached |" not in table and "| 4096 |" not in table   # what did not run has no row
+
+
+def test_every_wave_of_the_product_benchmark_holds_both_baselines_within_at_once():
+    """However the systems are chosen (the default, every optional one, --compare-draft, --eagle-layers package, the
+    compact layout's pass), no wave holds more than AT_ONCE servers, stock and plain on entmtp_torch are in every
+    wave, and every other system runs in exactly one. plain-entmtp is plain decoding with the package on the
+    entmtp_torch attention with SGLang's overlap scheduling left on: its server is started without
+    --disable-overlap-schedule."""
+    from entmtp_sglang.bench.sglang_benchmark import PLAIN, PLAIN_ENTMTP, STOCK, waves
+
+    speed = load_script("sglang_speed")
+    assert speed.EVERY_WAVE == (STOCK.name, PLAIN_ENTMTP.name) and speed.AT_ONCE == 4
+    assert PLAIN_ENTMTP in speed.SYSTEMS and PLAIN in speed.SYSTEMS and PLAIN_ENTMTP.name in speed.COMPACT_SYSTEMS
+    everything = [s.name for s in speed.SYSTEMS + speed.OPTIONAL]
+    choices = {"default": speed.systems_for(list(speed.DEFAULT)),
+               "all": speed.systems_for(everything),
+               "package": speed.systems_for(list(speed.DEFAULT), "package"),
+               "compare": speed.with_compare_draft(speed.systems_for(list(speed.DEFAULT)), Path("d")),
+               "smoke": speed.systems_for(["plain", "entmtp"]),
+               "compact": [s for s in speed.systems_for(everything) if s.name in speed.COMPACT_SYSTEMS]}
+    for what, specs in choices.items():
+        every = tuple(n for n in speed.EVERY_WAVE if n in {s.name for s in specs})
+        assert every == speed.EVERY_WAVE, what
+        plan = waves(specs, speed.AT_ONCE, every)
+        assert all(len(w) <= speed.AT_ONCE for w in plan), (what, plan)
+        assert all([s.name for s in w[:2]] == list(speed.EVERY_WAVE) for w in plan), (what, plan)
+        others = [s.name for w in plan for s in w[2:]]
+        assert sorted(others) == sorted(s.name for s in specs if s.name not in speed.EVERY_WAVE), what
+    assert len(waves(choices["compact"], speed.AT_ONCE, speed.EVERY_WAVE)) > 1   # ablations named: more waves
+    compact = [s for s in choices["default"] if s.name in speed.COMPACT_SYSTEMS]
+    assert [s.name for s in compact] == ["plain-stock", "plain-entmtp", "entmtp", "plain"]   # one wave of four
+    assert (PLAIN_ENTMTP.speculative, PLAIN_ENTMTP.attention, PLAIN_ENTMTP.stock, PLAIN_ENTMTP.layers) == (
+        None, "entmtp_torch", False, "package")
+    args = PLAIN_ENTMTP.server(Path("/tmp"), ("--dtype", "float32")).args
+    assert args[args.index("--attention-backend") + 1] == "entmtp_torch"
+    assert "--disable-overlap-schedule" not in args and "--speculative-algorithm" not in args
+    assert PLAIN.attention == "torch_native" and PLAIN_ENTMTP.name != PLAIN.name
+
+
+def _speculation_rows():
+    """A run with plain on entmtp_torch (plain-entmtp) in every wave, code at batch 1, two repeats a wave: ENTMTP and
+    adaptive in wave 1, a static setting in wave 2, plain on torch_native in the last. Each row carries stock's runs
+    beside it (`plain_repeat_tokens_per_s`) and plain-entmtp's (`beside`)."""
+    from entmtp_sglang.bench.sglang_benchmark import Row
+
+    def row(system, tps, runs, stock=(), pe=None, eq=None):
+        return Row(system, 1, int(round(10 * tps)), 10.0, requests=4, task="code", repeat_tokens_per_s=list(runs),
+                   plain_repeat_tokens_per_s=list(stock), equal_to_plain=eq,
+                   beside={} if pe is None else {"plain-entmtp": list(pe)})
+
+    return [row("plain-stock", 10.0, [10.0] * 6, eq=4),
+            row("plain-entmtp", 19.0, [20.0, 16.0, 20.0, 20.0, 18.0, 18.0], [10.0] * 6),
+            row("entmtp", 31.0, [30.0, 32.0], [10.0, 10.0], [20.0, 16.0], eq=4),      # 1.5x, 2.0x plain-entmtp
+            row("eagle-adaptive", 21.0, [22.0, 20.0], [10.0, 10.0], [20.0, 16.0], eq=4),
+            row("eagle-s1-k1-n2", 24.0, [24.0, 24.0], [10.0, 10.0], [20.0, 20.0], eq=4),
+            row("plain", 15.0, [15.0, 15.0], [10.0, 10.0], [18.0, 18.0], eq=4)]
+
+
+def test_what_speculation_adds_divides_by_plain_on_entmtp_torch_when_the_run_has_it(tmp_path):
+    """ENTMTP's paired ratio over plain-entmtp is over plain-entmtp's run beside it in the same wave and repeat
+    (median of 1.5 and 2.0 = 1.75x; through stock it would be 3.1 / 1.9 = 1.63x, the ratio of medians 31 / 19); the
+    table gets a column of it, ENTMTP and EAGLE compare through it, and the headline gets a column, the ENTMTP vs
+    plain column and a third table over it. It survives the run's JSON lines and the mixed stream's sums."""
+    from entmtp_sglang.bench.sglang_benchmark import (
+        paired_over,
+        rows_from_jsonl,
+        speculation_baseline,
+        to_markdown,
+        versus,
+        write,
+    )
+
+    speed = load_script("sglang_speed")
+    rows = _speculation_rows()
+    by = {r.system: r for r in rows}
+    assert speculation_baseline(rows) == "plain-entmtp"
+    assert paired_over(rows, by["entmtp"], "plain-entmtp") == pytest.approx(1.75)
+    assert paired_over(rows, by["plain"], "plain-entmtp") == pytest.approx(15 / 18)
+    assert paired_over(rows, by["plain-entmtp"], "plain-entmtp") == 1.0
+    assert paired_over(rows, by["plain-stock"], "plain-entmtp") == pytest.approx(1 / 1.9)   # through stock
+    assert paired_over(rows, by["entmtp"], "plain-stock") == pytest.approx(3.1)
+    table = to_markdown(rows)
+    assert "| vs stock | vs stock, paired | vs plain-entmtp, paired | mean accepted length |" in table, table
+    assert "| code | entmtp | 1 | 31.0 | 3.10x | 3.10x | 1.75x |  | 4/4 |" in table, table
+    assert "| code | plain | 1 | 15.0 | 1.50x | 1.50x | 0.83x |  | 4/4 |" in table, table
+    statics = {"best static EAGLE": ["eagle-s1-k1-n2"], "adaptive": ["eagle-adaptive"]}
+    # through plain-entmtp: 1.75 / 1.2 and 1.75 / 1.175; through stock it would be 3.1 / 2.4 and 3.1 / 2.1
+    assert "| code | 1 | 1.46x (eagle-s1-k1-n2) | 1.49x (eagle-adaptive) |" in versus(rows, "entmtp", statics,
+                                                                                     "plain-entmtp")
+    text = speed.tables(rows)
+    assert "What speculation adds divides by `plain-entmtp`" in text
+    assert "ENTMTP's paired ratio to `plain-entmtp` over each system's" in text
+    assert "| code | 1 | 1.46x (eagle-s1-k1-n2) | 1.49x (eagle-adaptive) |" in text, text
+
+    write(rows, tmp_path, {"run": 1}, name="run")
+    back = rows_from_jsonl(tmp_path / "run.jsonl.gz")
+    assert [r.beside for r in back] == [r.beside for r in rows]
+    mixed = speed.mixed_rows(back, (1,))
+    assert {r.system: r.beside for r in mixed}["entmtp"] == {"plain-entmtp": [20.0, 16.0]}
+    systems, per_batch, adds = speed.headline(back + mixed).split("\n\n")
+    assert systems.splitlines()[0].endswith("| vs stock SGLang (paired) | vs plain with the package on "
+                                            "`entmtp_torch` (paired) |")
+    assert "| **31.0** | **3.10x (3.10x)** | **1.63x (1.75x)** |" in systems, systems
+    assert "on SGLang's `torch_native` attention (its CPU linear layers and row-wise ops) | 15.0 | 1.50x (1.50x) | " \
+        "0.79x (0.83x) |" in systems, systems
+    assert "overlap on (ENTMTP's layers and attention: the baseline of what speculation adds) | 19.0 | 1.90x (1.90x) " \
+        "| 1.00x (1.00x) |" in systems, systems
+    assert "(`s1-k1-n2`, best by the paired ratio) | 24.0 | 2.40x (2.40x) | 1.26x (1.20x) |" in systems, systems
+    head, _, line = per_batch.splitlines()
+    assert ("| plain with the package, `torch_native` (mixed) | plain with the package, `entmtp_torch` (mixed) | "
+            "mixed, ENTMTP vs plain on `entmtp_torch` (paired) | mixed vs adaptive |") in head
+    assert line.endswith("| 3.10x (3.10x) |  | 1.50x (1.50x) | 1.90x (1.90x) | 1.63x (1.75x) | 1.49x | 1.46x |  |  |")
+    assert adds.splitlines()[0].startswith("| batch (ENTMTP over plain with the package on `entmtp_torch`, paired) "
+                                           "| code |")
+    assert adds.splitlines()[2] == "| 1 | 1.63x (1.75x) |" + "  |" * 6 + " 1.63x (1.75x) |  |"
+
+
+def test_an_older_run_without_plain_on_entmtp_torch_divides_what_speculation_adds_by_plain():
+    """A run from before plain-entmtp: ENTMTP vs plain is over plain on torch_native (the ratio of medians, as the
+    committed run's README table has it), ENTMTP and EAGLE compare through stock, the headline has two tables and no
+    column over plain-entmtp, and the results table no such column."""
+    import dataclasses
+
+    from entmtp_sglang.bench.sglang_benchmark import speculation_baseline, to_markdown
+
+    speed = load_script("sglang_speed")
+    rows = [dataclasses.replace(r, beside={}) for r in _speculation_rows() if r.system != "plain-entmtp"]
+    assert speculation_baseline(rows) == "plain" and speculation_baseline(rows[:1]) is None
+    assert speed.through(rows) == "plain-stock"
+    assert "plain-entmtp" not in to_markdown(rows) and "What speculation adds" not in speed.tables(rows)
+    # through stock: 3.1 / 2.4 and 3.1 / 2.1
+    assert "| code | 1 | 1.29x (eagle-s1-k1-n2) | 1.48x (eagle-adaptive) |" in speed.tables(rows)
+    systems, per_batch = speed.headline(rows + speed.mixed_rows(rows, (1,))).split("\n\n")
+    assert systems.splitlines()[0] == "| system (batch 1, mixed workloads) | tok/s | vs stock SGLang (paired) |"
+    assert "| plain SGLang with this package installed (its CPU linear layers and row-wise ops) | 15.0 |" in systems
+    head, _, line = per_batch.splitlines()
+    assert "| plain with the package (mixed) | mixed, ENTMTP vs plain with the package | mixed vs adaptive |" in head
+    assert line.endswith("| 3.10x (3.10x) |  | 1.50x (1.50x) | 2.07x | 1.48x | 1.29x |  |  |"), line
+
+
+def test_the_mixed_stream_sums_the_runs_of_plain_on_entmtp_torch_beside_each_task():
+    """The mixed stream at batch 1 and 4 pairs with plain-entmtp the way it pairs with stock: its tokens over its
+    seconds beside each repeat, task by task (200 tokens at 20 and 16 tok/s, 400 at 40 and 40)."""
+    from entmtp_sglang.bench.sglang_benchmark import Row, paired_over
+
+    speed = load_script("sglang_speed")
+    rows = [Row("plain-stock", 1, 100, 10.0, repeat_tokens_per_s=[10.0, 10.0], task="code"),
+            Row("plain-stock", 1, 100, 10.0, repeat_tokens_per_s=[10.0, 10.0], task="json"),
+            Row("plain-entmtp", 1, 200, 10.0, repeat_tokens_per_s=[20.0, 16.0], task="code",
+                plain_repeat_tokens_per_s=[10.0, 10.0]),
+            Row("plain-entmtp", 1, 400, 10.0, repeat_tokens_per_s=[40.0, 40.0], task="json",
+                plain_repeat_tokens_per_s=[10.0, 10.0]),
+            Row("entmtp", 1, 200, 5.0, repeat_tokens_per_s=[40.0, 40.0], task="code",
+                plain_repeat_tokens_per_s=[10.0, 10.0], beside={"plain-entmtp": [20.0, 16.0]}),
+            Row("entmtp", 1, 400, 5.0, repeat_tokens_per_s=[80.0, 80.0], task="json",
+                plain_repeat_tokens_per_s=[10.0, 10.0], beside={"plain-entmtp": [40.0, 40.0]})]
+    mixed = {r.system: r for r in speed.mixed_rows(rows, (1,))}
+    assert mixed["entmtp"].beside == {"plain-entmtp": [30.0, round(600 / 22.5, 2)]}
+    assert mixed["plain-entmtp"].beside == {} and mixed["plain-stock"].beside == {}
+    assert paired_over(list(mixed.values()), mixed["entmtp"], "plain-entmtp") == pytest.approx(
+        (60 / 30 + 60 / 26.67) / 2, abs=1e-3)
+    rows[-1].beside = {}   # a task without plain-entmtp's runs beside it: no sum
+    assert {r.system: r for r in speed.mixed_rows(rows, (1,))}["entmtp"].beside == {}
+
+
+def test_step_profile_checks_the_smallest_tree_against_plain_on_entmtp_torch_at_batch_1_and_4():
+    """The step profile's plain step with the package is on entmtp_torch (overlap on): every step is over it, and
+    the issue-56 goal (the smallest tree at most 1.10x it, paired, at batch 1 and 4) is said met or not."""
+    prof = load_script("sglang_step_profile")
+    assert prof.RUN == ("plain-stock", "plain-entmtp") and prof.PLAIN_GOAL == 1.10
+
+    def row(tree, b, nodes, depth, ms):
+        return {"tree": tree, "batch": b, "nodes": nodes, "depth": depth, "step_ms": ms, "repeats_ms": [ms, ms],
+                "decode_ms": ms - 2, "decode_repeats_ms": [ms - 2, ms - 2]}
+
+    rows = [row("plain-stock", 1, 1, 0, 40.0), row("plain-entmtp", 1, 1, 0, 32.0), row("b0n2d1", 1, 2, 1, 34.0),
+            row("b0n6d1", 1, 6, 1, 40.0), row("plain-stock", 4, 1, 0, 80.0), row("plain-entmtp", 4, 1, 0, 52.0),
+            row("b0n2d1", 4, 2, 1, 62.0)]
+    lines = prof.table(rows, {})
+    assert "| vs stock plain step (paired) | vs plain step with the package on entmtp_torch, overlap on (paired) |" \
+        in lines[0]
+    assert [ln.split(" | ")[1] for ln in lines[2:5]] == ["plain-stock", "plain-entmtp", "b0n2d1"]
+    assert "| 1 | b0n2d1 | 2 | 1 | 34.0 | 0.85x (0.85x) | 1.06x (1.06x) | 32.0 | 0.84x (0.84x) | 1.07x (1.07x) |" \
+        in lines, lines
+    goal = next(ln for ln in lines if ln.startswith("Goal against the plain step with the package on entmtp_torch"))
+    assert "batch 1, the smallest tree (2 nodes): b0n2d1 1.07x (1.06x): met" in goal, goal
+    assert "batch 4, the smallest tree (2 nodes): b0n2d1 1.20x (1.19x): NOT met" in goal, goal
+    # an older run (plain on torch_native) has no such goal line
+    old = [dict(r, tree="plain") if r["tree"] == "plain-entmtp" else r for r in rows]
+    assert not any(ln.startswith("Goal against") for ln in prof.table(old, {}))

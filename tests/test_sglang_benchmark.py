@@ -293,6 +293,7 @@ def _loads(env_of_spec: tuple[tuple[str, str], ...]) -> dict:
 
 
 @pytest.mark.sglang
+@pytest.mark.slow   # the benchmark's stock baseline (not the product): with the benchmark's own checks
 def test_a_stock_process_loads_only_the_cpu_ops_of_this_package():
     """SGLANG_PLUGINS=entmtp_cpu_ops (STOCK's environment): no hook of this package and no entmtp_torch backend in
     SGLang, only the sgl_kernel CPU ops. Plain with the package: every hook, the linear layers' among them (unless
@@ -313,6 +314,7 @@ def test_a_stock_process_loads_only_the_cpu_ops_of_this_package():
 
 
 @pytest.mark.sglang
+@pytest.mark.slow   # the benchmark's stock baseline (not the product): with the benchmark's own checks
 def test_stock_sglang_serves_beside_plain_sglang_with_the_package(tmp_path):
     """Real servers of the bundled model: stock SGLang (the baseline, measured first) and plain SGLang with the
     package through `run_workloads`; both serve, every ratio divides by stock, and their greedy outputs are
@@ -357,3 +359,93 @@ def test_a_labelled_workload_keeps_each_labels_trees(tmp_path):
     assert rows[("entmtp", "code")].trees_by_label == {} and rows[("plain", "mixed-batch")].trees_by_label == {}
     with pytest.raises(ValueError, match="2 labels for 3 payloads"):
         b.measure(_TreeServer("entmtp"), systems[1], work["mixed-batch"][0], 1, {}, labels=["json", "chat"])
+
+
+def test_plain_on_entmtp_torch_in_every_wave_leaves_its_runs_beside_every_other_system(tmp_path):
+    """Stock, plain on entmtp_torch (plain-entmtp), plain on torch_native and four others, four servers at once, the
+    two baselines in every wave: never more than four up; in each (task, batch) stock runs first and plain-entmtp
+    second; every later row carries plain-entmtp's runs of its own wave and repeat (`Row.beside`), which the paired
+    ratio over plain-entmtp divides by; plain-entmtp's outputs are the reference and plain's are compared with them
+    (the two plain servers must agree), each plain once."""
+    stock, pe = _Spec("plain-stock", stock=True), _Spec("plain-entmtp")
+    plain = _Spec("plain", differ=[1, 2, 5])          # disagrees with plain-entmtp on every output
+    others = [_Spec(f"s{i}", "EAGLE") for i in range(4)]
+    systems = [stock, pe, *others, plain]
+    plan = b.waves(systems, 4, ("plain-stock", "plain-entmtp"))
+    assert [[s.name for s in w] for w in plan] == [["plain-stock", "plain-entmtp", "s0", "s1"],
+                                                   ["plain-stock", "plain-entmtp", "s2", "s3"],
+                                                   ["plain-stock", "plain-entmtp", "plain"]]
+    _Server.up.clear()
+    _Server.seen.clear()
+    work = {"code": ([{"text": "a"}, {"text": "b"}], (1,))}
+    rows = b.run_workloads(systems, work, repeats=2, log_dir=tmp_path, progress=lambda *a: None, at_once=4,
+                           every=("plain-stock", "plain-entmtp"))
+    assert max(len(up) for _, up in _Server.seen) == 4 and not _Server.up
+    runs = [n for n, _ in _Server.seen][::2]          # one run = two requests, one at a time at batch 1
+    assert runs[:4] == ["plain-stock", "plain-entmtp", "s0", "s1"] and runs[-3:] == ["plain-stock", "plain-entmtp",
+                                                                                      "plain"]
+    by = {r.system: r for r in rows}
+    pe_runs = by["plain-entmtp"].repeat_tokens_per_s
+    assert len(pe_runs) == 6 and by["plain-entmtp"].plain_repeat_tokens_per_s == by["plain-stock"].repeat_tokens_per_s
+    assert by["s0"].beside == {"plain-entmtp": pe_runs[:2]} and by["s3"].beside == {"plain-entmtp": pe_runs[2:4]}
+    assert by["plain"].beside == {"plain-entmtp": pe_runs[4:]}
+    assert by["plain-entmtp"].beside == {} and by["plain-stock"].beside == {}
+    assert b.paired_ratio(by["s2"], by["plain-entmtp"]) == b.paired_over(rows, by["s2"], "plain-entmtp")
+    assert (by["plain-entmtp"].equal_to_plain, by["plain"].equal_to_plain, by["s0"].equal_to_plain) == (None, 0, 2)
+    assert by["plain-stock"].equal_to_plain == 2      # measured first in every wave after the first
+    # plain with the package alone (no second plain server): never compared with itself
+    _Server.up.clear()
+    one = {r.system: r for r in b.run_workloads([stock, pe, others[0]], work, repeats=2, log_dir=tmp_path,
+                                                progress=lambda *a: None, every=("plain-stock", "plain-entmtp"))}
+    assert one["plain-entmtp"].equal_to_plain is None and one["s0"].beside["plain-entmtp"] == \
+        one["plain-entmtp"].repeat_tokens_per_s
+
+
+def test_measure_compares_the_second_plain_server_with_the_first():
+    """With `owners` (run_workloads'), a plain server with the package other than the one whose outputs became the
+    reference is compared with it; the reference's own later runs are not; without `owners` no plain server is."""
+    class Canned:
+        def __init__(self, outputs):
+            self.outputs = outputs
+
+        def post(self, path, payload):
+            ids = self.outputs[payload["text"]]
+            return {"output_ids": ids, "meta_info": {"completion_tokens": len(ids)}}
+
+    payloads = [{"text": t} for t in ("a", "b")]
+    ids = {"a": [1, 2], "b": [3, 4]}
+    reference, owners = {}, {}
+    first = b.measure(Canned(ids), b.PLAIN_ENTMTP, payloads, 1, reference, "code", {}, owners=owners)
+    again = b.measure(Canned(ids), b.PLAIN_ENTMTP, payloads, 1, reference, "code", {}, owners=owners)
+    other = b.measure(Canned({**ids, "b": [3, 5]}), b.PLAIN, payloads, 1, reference, "code", {}, owners=owners)
+    assert owners == {("code", 1): "plain-entmtp"} and reference == {("code", 1): [[1, 2], [3, 4]]}
+    assert (first.equal_to_plain, again.equal_to_plain, other.equal_to_plain) == (None, None, 1)
+    assert b.measure(Canned(ids), b.PLAIN, payloads, 1, reference, "code", {}).equal_to_plain is None
+
+
+def test_the_speculation_baseline_is_plain_on_entmtp_torch_when_the_run_has_it():
+    def row(system, tps, stock=(), pe=None):
+        return b.Row(system, 1, 10, 1.0, requests=1, repeat_tokens_per_s=list(tps), task="code",
+                     plain_repeat_tokens_per_s=list(stock), beside={} if pe is None else {"plain-entmtp": list(pe)})
+
+    rows = [row("plain-stock", [10, 10, 10, 10]), row("plain-entmtp", [20, 20, 30, 30], [10, 10, 10, 10]),
+            row("entmtp", [30, 36], [10, 10], [20, 20]),        # 1.5x, 1.8x the plain-entmtp run beside it
+            row("eagle-s1", [45, 45], [10, 10], [30, 30]),      # 1.5x, in the second wave
+            row("plain", [15, 15], [10, 10])]                   # without plain-entmtp beside it: through stock
+    assert b.speculation_baseline(rows) == "plain-entmtp"
+    assert b.speculation_baseline([r for r in rows if r.system != "plain-entmtp"]) == "plain"
+    assert b.speculation_baseline(rows[:1]) is None
+    by = {r.system: r for r in rows}
+    assert b.paired_over(rows, by["entmtp"], "plain-entmtp") == pytest.approx(1.65)
+    assert b.paired_over(rows, by["plain"], "plain-entmtp") == pytest.approx(1.5 / 2.5)   # 1.5x stock / 2.5x stock
+    assert b.paired_over(rows, by["entmtp"], "nope") is None
+    assert b.best_paired(rows, ["eagle-s1"], "code", 1, "plain-entmtp") == (1.5, "eagle-s1")
+    assert "| code | 1 | 1.10x (eagle-s1) |" in b.versus(rows, "entmtp", {"static": ["eagle-s1"]}, "plain-entmtp")
+    table = b.to_markdown(rows)
+    assert "| code | entmtp | 1 | 10.0 | 1.00x | 3.30x | 1.65x |" in table, table
+    assert "| code | plain-entmtp | 1 | 10.0 | 1.00x | 2.50x | 1.00x |" in table, table
+    # plain-entmtp as the table's baseline: one column over it, each row paired with its run beside it
+    table = b.to_markdown(rows, "plain-entmtp")
+    assert table.splitlines()[0].count("vs plain-entmtp, paired") == 1
+    assert "| code | entmtp | 1 | 10.0 | 1.00x | 1.65x |" in table and "| code | plain | 1 | 10.0 | 1.00x | 0.60x |" \
+        in table, table

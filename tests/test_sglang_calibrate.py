@@ -49,6 +49,7 @@ def greedy_outputs(server: SGLangServer, texts: list[str], concurrency: int) -> 
     return dict(zip(texts, outs))
 
 
+@pytest.mark.slow   # a whole calibration through SGLang (about 140 s here); the online calibration below runs in CI
 def test_calibrate_through_sglang_then_serve(plain, tmp_path):
     out = tmp_path / "entmtp-tiny-eagle-code.json"
     cmd = [sys.executable, "-m", "entmtp_sglang.cli", "calibrate", "--engine", "sglang",

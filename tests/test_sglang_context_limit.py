@@ -20,7 +20,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from helpers.testing import import_sglang_or_skip, plain_and_entmtp, started
+from helpers.testing import FIXED_COSTS, import_sglang_or_skip, plain_and_entmtp, started
 
 from entmtp_sglang.tasks import load_prompts
 
@@ -78,7 +78,7 @@ def servers(tmp_path_factory):
     wide_path = wide_set(logs / "wide.json")
     plain, ent = plain_and_entmtp(logs, ARGS)
     wide = SGLangServer.cpu("ENTMTP", log_path=logs / "wide.log", extra=ARGS,
-                            env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1",
+                            env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **FIXED_COSTS,
                                  "ENTMTP_TREE_SET": str(wide_path)})
     with started(plain, ent, wide):
         yield plain, {"shipped": (ent, node_counts(SHIPPED)), "wide": (wide, node_counts(wide_path))}

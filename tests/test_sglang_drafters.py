@@ -23,7 +23,7 @@ import concurrent.futures as cf
 import json
 
 import pytest
-from helpers.testing import import_sglang_or_skip
+from helpers.testing import FIXED_COSTS, import_sglang_or_skip
 
 from entmtp_sglang.tasks import load_prompts
 
@@ -31,7 +31,7 @@ import_sglang_or_skip()
 
 from helpers import tiny_checkpoints as tiny  # noqa: E402
 
-from entmtp_sglang.calibrate.server import SGLangServer, cpu_args, free_port  # noqa: E402
+from entmtp_sglang.calibrate.server import SGLangServer, cpu_args, free_port, stop_all  # noqa: E402
 from entmtp_sglang.sglang.config import ENV_TREE_SET, shipped_tree_set  # noqa: E402
 from entmtp_sglang.tree.treeset import load_tree_set  # noqa: E402
 
@@ -72,7 +72,10 @@ def write_checkpoints(kind, root):
     return target, target, ()
 
 
-@pytest.fixture(scope="module", params=["eagle3", "nextn", "eagle-token-map"])
+# NEXTN (a model's own MTP layers) in every CI; the other layouts in the slow suite (EAGLE-3 is served in CI by
+# tests/test_sglang_eagle3.py, and a token map by every SmolLM2 server)
+@pytest.fixture(scope="module", params=[pytest.param("eagle3", marks=pytest.mark.slow), "nextn",
+                                        pytest.param("eagle-token-map", marks=pytest.mark.slow)])
 def servers(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"drafter-{request.param}")
     target, draft, extra = write_checkpoints(request.param, root)
@@ -82,7 +85,7 @@ def servers(request, tmp_path_factory):
                          log_path=root / "plain.log")
     ent = SGLangServer(cpu_args(None, model=target, extra=f32 + (
         "--speculative-algorithm", "ENTMTP", "--speculative-draft-model-path", str(draft)) + extra), free_port(),
-        env={ENV_TREE_SET: str(tree_set)}, log_path=root / "entmtp.log")
+        env={ENV_TREE_SET: str(tree_set), **FIXED_COSTS}, log_path=root / "entmtp.log")
     plain.start(wait=False)
     ent.start(wait=False)
     try:
@@ -91,8 +94,7 @@ def servers(request, tmp_path_factory):
         reference = {p: plain.generate(p, MAX_NEW)["output_ids"] for p in prompts()}
         yield ent, reference, load_tree_set(tree_set)
     finally:
-        plain.stop()
-        ent.stop()
+        stop_all([plain, ent])
 
 
 def pinned_trees(ts) -> list[str]:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from helpers.testing import import_sglang_or_skip, started
+from helpers.testing import FIXED_COSTS, import_sglang_or_skip, started
 
 from entmtp_sglang.model.load import BUNDLED_MODEL
 from entmtp_sglang.tasks import load_prompts, load_schema
@@ -79,7 +79,9 @@ def pinned(job: dict, tree: str | None) -> dict:
     return {**job, "sampling_params": {**job["sampling_params"], "custom_params": {"entmtp_tree": tree}}}
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[c.name for c in CASES])
+# SmolLM2's EAGLE-3 in the slow suite (about 160 s of server time here); the bundled model's runs in every CI
+@pytest.fixture(scope="module", params=[pytest.param(c, id=c.name, marks=[pytest.mark.slow] * (c.name == "smollm2"))
+                                        for c in CASES])
 def servers(request, tmp_path_factory):
     """(the ENTMTP server, plain SGLang's output ids for `jobs()`, the case, its model directory)."""
     case = request.param
@@ -91,7 +93,7 @@ def servers(request, tmp_path_factory):
                                                                 "--speculative-draft-model-path",
                                                                 str(model / "eagle3"))),
                        # (lookup spans off: the acceptance test compares the drafter's own with the reference engine's)
-                       free_port(), env={"ENTMTP_ONLINE_COSTS": "0", "ENTMTP_LOOKUP_SPANS": "0"},
+                       free_port(), env={**FIXED_COSTS, "ENTMTP_LOOKUP_SPANS": "0"},
                        log_path=logs / "entmtp.log")
     with started(plain, ent):
         reference = [plain.post("/generate", j)["output_ids"] for j in jobs()]

@@ -21,6 +21,7 @@ def test_free_port_never_hands_out_a_port_twice():
     assert len(set(ports)) == len(ports)
 
 
+@pytest.mark.slow   # the test harness's own recovery (a server started twice): not the product
 def test_a_taken_port_restarts_the_server_on_a_new_one(tmp_path, capfd):
     with socket.socket() as squatter:
         squatter.bind(("127.0.0.1", 0))

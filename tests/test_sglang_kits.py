@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from helpers.testing import import_sglang_or_skip
+from helpers.testing import FIXED_COSTS, import_sglang_or_skip
 
 import_sglang_or_skip()
 import_sglang_or_skip("sglang.test.kits.spec_server_kits")
@@ -65,7 +65,7 @@ class EntmtpCpuServer(SpecEagleServerBase):
         cls._tokenizer = None
         logs = Path(tempfile.mkdtemp(prefix="sglang-kits-"))
         cls.server = SGLangServer.cpu("ENTMTP", model=model, log_path=logs / "entmtp.log",
-                                      extra=("--enable-return-hidden-states",))
+                                      extra=("--enable-return-hidden-states",), env=FIXED_COSTS)
         cls.server.start()
         cls.base_url, cls.process = cls.server.url, cls.server.proc
 

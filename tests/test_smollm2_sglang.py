@@ -7,11 +7,11 @@ Two servers (float32, about a minute each to start). The model is prepared from 
 from __future__ import annotations
 
 import pytest
-from helpers.testing import import_sglang_or_skip
+from helpers.testing import FIXED_COSTS, import_sglang_or_skip
 
 import_sglang_or_skip()
 
-from entmtp_sglang.calibrate.server import SGLangServer  # noqa: E402
+from entmtp_sglang.calibrate.server import SGLangServer, stop_all  # noqa: E402
 from entmtp_sglang.model import prepare as prep  # noqa: E402
 from entmtp_sglang.tasks import load_prompts, prompt_text  # noqa: E402
 
@@ -25,7 +25,9 @@ def smol_servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("smollm2-sglang")
     f32 = ("--dtype", "float32")
     plain = SGLangServer.cpu(None, model=model, attention="torch_native", log_path=logs / "plain.log", extra=f32)
-    ent = SGLangServer.cpu("ENTMTP", model=model, log_path=logs / "entmtp.log", extra=f32)
+    # as `make serve` starts it, with the costs fixed (helpers.testing.FIXED_COSTS): the acceptance checked below is
+    # then the policy's choice on logits alone, not on this machine's load
+    ent = SGLangServer.cpu("ENTMTP", model=model, log_path=logs / "entmtp.log", extra=f32, env=FIXED_COSTS)
     plain.start(wait=False)
     ent.start(wait=False)
     try:
@@ -33,8 +35,7 @@ def smol_servers(tmp_path_factory):
         ent.wait_ready()
         yield model, plain, ent
     finally:
-        plain.stop()
-        ent.stop()
+        stop_all([plain, ent])
 
 
 def test_smollm2_entmtp_greedy_equals_sglang_plain_on_10_prompts(smol_servers):

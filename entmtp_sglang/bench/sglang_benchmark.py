@@ -28,6 +28,16 @@ arithmetic on activations) are ours. SGLang's EAGLE and `--speculative-adaptive`
 only CPU backend with a draft path, needs a CPU build of sgl-kernel (SGLang falls back to `torch_native` without
 it, even on an AMX processor). `sglang_layers(spec)` gives their closest stock form: the plugin loaded for its
 attention backend and CPU ops, SGLang's own layers (`SGLANG_LAYERS_ENV`).
+
+Two plain servers with this package: `PLAIN` on SGLang's `torch_native` attention (what the package's layers give
+over stock) and `PLAIN_ENTMTP` on the package's `entmtp_torch` attention, the backend ENTMTP and the EAGLE stand-ins
+run on, with SGLang's overlap scheduling on as plain SGLang runs it (`cpu_args` passes no
+`--disable-overlap-schedule`, SGLang turns overlap off on a CPU only for speculative algorithms, and the plugin only
+for ENTMTP): the baseline of what speculation adds (`speculation_baseline`). Both are plain decoding with the
+package: the first measured is the reference every output is compared with (`equal_to_plain`), and the other is
+compared with it, so the two must agree with each other. A system run in every wave beside the baseline (`every`)
+leaves its tokens/s of the same wave and repeat on every other row (`Row.beside`), so a ratio over it is paired
+directly (`paired_ratio`, `paired_over`).
 """
 
 from __future__ import annotations
@@ -44,7 +54,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..calibrate.server import ServerError, SGLangServer
+from ..calibrate.server import ServerError, SGLangServer, stop_all
 from ..tasks import load_prompts
 
 FLOAT32 = ("--dtype", "float32")  # float32 keeps near-tied argmaxes from flipping between batch shapes
@@ -99,6 +109,9 @@ class SystemSpec:
 
 
 PLAIN = SystemSpec("plain", None, attention="torch_native")   # plain SGLang with this package installed
+# plain SGLang with this package on its entmtp_torch attention, overlap scheduling on: the baseline of what speculation
+# adds (the same layers and attention as ENTMTP; module docstring)
+PLAIN_ENTMTP = SystemSpec("plain-entmtp", None, attention="entmtp_torch")
 STOCK = SystemSpec("plain-stock", None, attention="torch_native", env=STOCK_ENV)   # stock SGLang (module docstring)
 EAGLE_GRID = (SystemSpec("eagle-s1-k1-n2", "EAGLE", 1, 1, 2),
               SystemSpec("eagle-s2-k1-n3", "EAGLE", 2, 1, 3),
@@ -197,8 +210,7 @@ class ServerPool:
 
     def stop(self) -> None:
         servers, self.servers = self.servers, {}
-        for srv in servers.values():
-            srv.stop()
+        stop_all(servers.values())
 
     def __enter__(self) -> "ServerPool":
         return self.start()
@@ -284,6 +296,10 @@ class Row:
     # the requests' prompt tokens and, of them, those SGLang's radix cache served (meta_info's cached_tokens)
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    # system -> its tokens/s beside each repeat (same wave, same repeat) for each system other than the baseline that
+    # runs in every wave (`run_workloads`' `every`: plain SGLang with the package on entmtp_torch); empty for those
+    # systems themselves and in older runs
+    beside: dict[str, list[float]] = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
@@ -372,8 +388,12 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
     `baseline`: the system every paired ratio divides by (default `default_baseline`: stock SGLang when the run has
     it, else plain decoding). `at_once`: the most servers up together (memory). With more systems than that they run
     in `waves`: the baseline (and the others named in `every`) stays up and is measured again in every wave, and
-    each system's paired ratio divides by the baseline's tokens/s in the same wave and repeat. `on_repeat(rows,
-    done)` after each repeat of each wave (`done`: repeats finished over all waves)."""
+    each system's paired ratio divides by the baseline's tokens/s in the same wave and repeat; the tokens/s of the
+    others named in `every` (measured right after the baseline, in `every`'s order in the systems) in the same wave
+    and repeat go on each later system's row too (`Row.beside`), so a ratio over them pairs the same way. Plain
+    decoding with this package: the first such system measured is every output's reference, and any other is
+    compared with it (`measure`). `on_repeat(rows, done)` after each repeat of each wave (`done`: repeats finished
+    over all waves)."""
     systems = list(systems)
     labels = {task: (w[2] if len(w) > 2 else None) for task, w in workloads.items()}
     baseline = baseline or default_baseline(systems)
@@ -383,9 +403,12 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
     keys = [(task, b) for task, w in workloads.items() for b in w[1]]
     runs: dict[tuple[str, str, int], list[Row]] = collections.defaultdict(list)
     partners: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
+    beside: dict[tuple[str, str, int], dict[str, list[float]]] = collections.defaultdict(dict)
     reference: dict[tuple[str, int], list] = {}
+    owners: dict[tuple[str, int], str] = {}
     stock: dict[tuple[str, int], list] = {}
     plan = waves(systems, at_once, every or ((baseline,) if baseline else None))
+    fixed = set(every or ()) - {baseline}   # run in every wave beside the baseline: each other row keeps their runs
     try:
         for w, wave in enumerate(plan):
             for name in [n for n in pool.specs if n not in {s.name for s in wave}]:
@@ -395,36 +418,44 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
             pool.start()
             if len(plan) > 1:
                 progress(f"wave {w + 1}/{len(plan)}: {', '.join(s.name for s in wave)}")
-            order = sorted(wave, key=lambda s: s.name != baseline)   # the baseline first, the others as given
+            # the baseline first, then the others of every wave, then the rest, each as given
+            order = sorted(wave, key=lambda s: (s.name != baseline, s.name not in fixed))
             for rep in range(repeats):
                 for task, b in keys:
-                    base_tps = None
+                    base_tps, fixed_tps = None, {}
                     for spec in order:
                         row = measure(pool[spec.name], spec, workloads[task][0], b, reference, task, stock,
-                                      labels[task])
+                                      labels[task], owners)
                         runs[(spec.name, task, b)].append(row)
                         if spec.name == baseline:
                             base_tps = row.tokens_per_s
                         elif base_tps is not None:
                             partners[(spec.name, task, b)].append(round(base_tps, 2))
+                        for name, tps in fixed_tps.items():
+                            beside[(spec.name, task, b)].setdefault(name, []).append(round(tps, 2))
+                        if spec.name in fixed:
+                            fixed_tps[spec.name] = row.tokens_per_s
                         progress(f"repeat {rep} {task or 'all'} {spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, "
                                  f"accept {row.mean_accept or 0:.2f}, equal to plain {row.equal_to_plain}, to stock "
                                  f"{row.equal_to_stock} of {row.requests}")
                 if on_repeat is not None:
-                    on_repeat(medians(runs, systems, keys, partners), w * repeats + rep + 1)
+                    on_repeat(medians(runs, systems, keys, partners, beside), w * repeats + rep + 1)
     finally:
         pool.stop()
-    return medians(runs, systems, keys, partners)
+    return medians(runs, systems, keys, partners, beside)
 
 
 def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: int,
             reference: dict[tuple[str, int], list], task: str = "",
-            stock: dict[tuple[str, int], list] | None = None, labels: list[str] | None = None) -> Row:
+            stock: dict[tuple[str, int], list] | None = None, labels: list[str] | None = None,
+            owners: dict[tuple[str, int], str] | None = None) -> Row:
     """`payloads` (/generate) through `srv` with `batch` requests in flight: one Row. Plain decoding's outputs with
     this package (token ids) become `reference[(task, batch)]`, stock SGLang's `stock[(task, batch)]` (the first
     run of each is kept); every other system's are compared with them (`equal_to_plain`, `equal_to_stock`), and
-    each of the two with the other. `labels` (one per payload): the trees each label's requests took
-    (`Row.trees_by_label`)."""
+    each of the two with the other. `owners` (given: `run_workloads` passes it) records which plain system made
+    each reference, and another plain system with this package (PLAIN on torch_native beside PLAIN_ENTMTP) is then
+    compared with it too, so the two plain servers must agree; without `owners` no plain system is compared with
+    the reference. `labels` (one per payload): the trees each label's requests took (`Row.trees_by_label`)."""
     if labels is not None and len(labels) != len(payloads):
         raise ValueError(f"{len(labels)} labels for {len(payloads)} payloads")
     outs, secs = concurrent_generate(srv, payloads, batch)
@@ -450,19 +481,22 @@ def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: in
     plain, stock_plain = spec.speculative is None and not is_stock, spec.speculative is None and is_stock
     if plain:
         reference.setdefault(key, ids)
+        if owners is not None:
+            owners.setdefault(key, spec.name)
     elif stock_plain and stock is not None:
         stock.setdefault(key, ids)
-    if key in reference and not plain:
+    if key in reference and (not plain or (owners is not None and owners.get(key, spec.name) != spec.name)):
         row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[key]))
     if stock is not None and key in stock and not stock_plain:
         row.equal_to_stock = sum(x == y for x, y in zip(ids, stock[key]))
     return row
 
 
-def medians(runs, systems, keys, partners=None) -> list[Row]:
+def medians(runs, systems, keys, partners=None, beside=None) -> list[Row]:
     """One Row per (task, batch) in `keys` and system: the median repeat of `runs[(system, task, batch)]`, with every
-    repeat's tokens/s, the fewest outputs equal to plain's and to stock's over the repeats, and the baseline's tokens/s
-    beside each repeat (`partners`, keyed the same)."""
+    repeat's tokens/s, the fewest outputs equal to plain's and to stock's over the repeats, the baseline's tokens/s
+    beside each repeat (`partners`, keyed the same) and those of the other systems of every wave (`beside`, keyed the
+    same: system -> tokens/s per repeat)."""
     rows = []
     for task, b in keys:
         for spec in systems:
@@ -476,6 +510,7 @@ def medians(runs, systems, keys, partners=None) -> list[Row]:
             med.equal_to_stock = min(eq) if eq else None
             med.repeat_tokens_per_s = [round(r.tokens_per_s, 2) for r in rs]
             med.plain_repeat_tokens_per_s = list((partners or {}).get((spec.name, task, b), ()))
+            med.beside = {k: list(v) for k, v in (beside or {}).get((spec.name, task, b), {}).items()}
             rows.append(med)
     return rows
 
@@ -496,9 +531,12 @@ def machine() -> dict:
 
 def paired_ratio(row: Row, plain: Row) -> float | None:
     """The median over repeats of row / baseline within each repeat (systems run interleaved, so a repeat's drift of
-    the shared machine hits both); the baseline's tokens/s beside each repeat when the row carries them (`waves`),
-    else the baseline row's (`plain`) own repeats. None without the same number of repeats on both sides."""
-    a, b = row.repeat_tokens_per_s, row.plain_repeat_tokens_per_s or plain.repeat_tokens_per_s
+    the shared machine hits both); the baseline's tokens/s beside each repeat when the row carries them (`waves`:
+    `Row.beside` for a system of every wave other than the run's baseline, else `plain_repeat_tokens_per_s`), else
+    the baseline row's (`plain`) own repeats. None without the same number of repeats on both sides. `plain` is the
+    run's baseline or a system of every wave (`Row.beside`); for any other, `paired_over`."""
+    a = row.repeat_tokens_per_s
+    b = row.beside.get(plain.system) or row.plain_repeat_tokens_per_s or plain.repeat_tokens_per_s
     if not a or len(a) != len(b) or not all(b):
         return None
     return statistics.median(x / y for x, y in zip(a, b))
@@ -509,32 +547,67 @@ def baseline_of(rows: list[Row]) -> str:
     return STOCK.name if any(r.system == STOCK.name for r in rows) else PLAIN.name
 
 
+def speculation_baseline(rows: list[Row]) -> str | None:
+    """The plain server that "what speculation adds" divides by: plain SGLang with this package on its `entmtp_torch`
+    attention, overlap on (`PLAIN_ENTMTP`: ENTMTP's and the EAGLE stand-ins' own attention backend) when the run
+    has it; else, in runs from before it, plain with the package on `torch_native` (`PLAIN`); None with neither."""
+    names = {r.system for r in rows}
+    return next((s.name for s in (PLAIN_ENTMTP, PLAIN) if s.name in names), None)
+
+
+def paired_over(rows: list[Row], row: Row, ref: str) -> float | None:
+    """`row`'s paired ratio over system `ref`'s row of the same task and batch: per repeat over `ref`'s run beside it
+    where `ref` ran in its wave (`Row.beside`, or `ref` the run's baseline), else through the baseline
+    (`paired_ratio(row, baseline) / paired_ratio(ref's row, baseline)`); 1.0 for `ref`'s own row; None where a side
+    is missing."""
+    if row.system == ref:
+        return 1.0 if row.repeat_tokens_per_s else None
+    by = {r.system: r for r in rows if (r.task, r.batch) == (row.task, row.batch)}
+    other, base = by.get(ref), by.get(baseline_of(rows))
+    if other is None:
+        return None
+    if ref in row.beside or ref == baseline_of(rows):
+        return paired_ratio(row, other)
+    if base is None or row.system == base.system:
+        mine = 1.0 if base is not None else None
+    else:
+        mine = paired_ratio(row, base)
+    theirs = paired_ratio(other, base) if base is not None else None
+    return None if mine is None or not theirs else mine / theirs
+
+
 def to_markdown(rows: list[Row], baseline: str | None = None) -> str:
     """The table: tokens/s (median over repeats) and its ratio to the baseline's median (`baseline_of`: stock SGLang
     when the run has it, else plain decoding), and the paired ratio (median of the per-repeat ratios,
-    `paired_ratio`), which the machine's drift between repeats moves less; then how many outputs equal plain
-    decoding's with this package and, with a stock run, stock SGLang's."""
+    `paired_ratio`), which the machine's drift between repeats moves less; with a `PLAIN_ENTMTP` run (not the
+    baseline), the paired ratio over it too (`paired_over`: what speculation adds on the same layers and attention);
+    then how many outputs equal plain decoding's with this package and, with a stock run, stock SGLang's."""
     baseline = baseline or baseline_of(rows)
     label = "stock" if baseline == STOCK.name else baseline
     base_rows = {(r.task, r.batch): r for r in rows if r.system == baseline}
     stock = any(r.system == STOCK.name or r.equal_to_stock is not None for r in rows)
     tasks = any(r.task for r in rows)
     forced = any(r.forced_summary for r in rows)
+    spec_base = PLAIN_ENTMTP.name if baseline != PLAIN_ENTMTP.name and any(
+        r.system == PLAIN_ENTMTP.name for r in rows) else None
     lines = [("| task " if tasks else "") + f"| system | batch | tokens/s (median) | vs {label} | vs {label}, paired "
-             "| mean accepted length | greedy = plain |" + (" greedy = stock |" if stock else "") + " trees chosen |"
+             + (f"| vs {spec_base}, paired " if spec_base else "")
+             + "| mean accepted length | greedy = plain |" + (" greedy = stock |" if stock else "") + " trees chosen |"
              + (" forced spans |" if forced else ""),
-             ("|---" if tasks else "") + "|---|---|---|---|---|---|---|---|" + ("---|" if stock else "")
-             + ("---|" if forced else "")]
+             ("|---" if tasks else "") + "|---|---|---|---|---|---|---|---|" + ("---|" if spec_base else "")
+             + ("---|" if stock else "") + ("---|" if forced else "")]
     for r in rows:
         base = base_rows.get((r.task, r.batch))
         ratio = f"{r.tokens_per_s / base.tokens_per_s:.2f}x" if base is not None else ""
-        paired = paired_ratio(r, base) if base is not None else None
+        paired = paired_over(rows, r, baseline) if base is not None else None
+        over = paired_over(rows, r, spec_base) if spec_base else None
+        over_cell = (f" {'' if over is None else f'{over:.2f}x'} |" if spec_base else "")
         trees = ", ".join(f"{k} {v}" for k, v in r.trees.most_common(4))
         eq = "" if r.equal_to_plain is None else f"{r.equal_to_plain}/{r.requests}"
         eq_stock = "" if r.equal_to_stock is None else f"{r.equal_to_stock}/{r.requests}"
         acc = "" if r.mean_accept is None else f"{r.mean_accept:.2f}"
         lines.append((f"| {r.task} " if tasks else "") + f"| {r.system} | {r.batch} | {r.tokens_per_s:.1f} | {ratio} | "
-                     f"{'' if paired is None else f'{paired:.2f}x'} | {acc} | {eq} |"
+                     f"{'' if paired is None else f'{paired:.2f}x'} |{over_cell} {acc} | {eq} |"
                      + (f" {eq_stock} |" if stock else "") + f" {trees} |"
                      + (f" {r.forced_summary} |" if forced else ""))
     return "\n".join(lines)
@@ -542,9 +615,10 @@ def to_markdown(rows: list[Row], baseline: str | None = None) -> str:
 
 def versus(rows: list[Row], subject: str, others: dict[str, list[str]], baseline: str | None = None) -> str:
     """A table of `subject` against groups of other systems, per task and batch: the subject's paired ratio to the
-    baseline (`baseline_of`) divided by the best paired ratio of each group (`others`: heading -> system names),
-    which is named. Each paired ratio divides by the baseline measured beside it, so systems measured in different
-    waves compare through the baseline."""
+    baseline (default `baseline_of`; bench/sglang_speed.py passes `speculation_baseline` where the run has
+    `PLAIN_ENTMTP`) divided by the best paired ratio of each group (`others`: heading -> system names), which is
+    named. Each paired ratio divides by the baseline measured beside it, so systems measured in different waves
+    compare through the baseline."""
     keys = list(dict.fromkeys((r.task, r.batch) for r in rows if r.system == subject))
     lines = ["| task | batch | " + " | ".join(f"{subject} vs {h}" for h in others) + " |",
              "|---|---|" + "---|" * len(others)]
@@ -559,12 +633,13 @@ def versus(rows: list[Row], subject: str, others: dict[str, list[str]], baseline
 
 def best_paired(rows: list[Row], names, task: str, batch: int, baseline: str | None = None
                 ) -> tuple[float, str] | None:
-    """The best paired ratio to the baseline among the systems `names` on one task and batch size, and whose."""
+    """The best paired ratio to the baseline (default `baseline_of`; another system run in every wave, such as
+    `PLAIN_ENTMTP`, pairs through `paired_over`) among the systems `names` on one task and batch size, and whose."""
     baseline = baseline or baseline_of(rows)
     base = next((r for r in rows if (r.system, r.task, r.batch) == (baseline, task, batch)), None)
     if base is None:
         return None
-    theirs = [(paired_ratio(r, base), r.system) for r in rows
+    theirs = [(paired_over(rows, r, baseline), r.system) for r in rows
               if r.system in names and (r.task, r.batch) == (task, batch)]
     theirs = [(x, n) for x, n in theirs if x]
     return max(theirs) if theirs else None
@@ -601,7 +676,8 @@ def rows_from_jsonl(path: Path) -> list[Row]:
                        d["equal_to_plain"], d["requests"], list(d.get("repeat_tokens_per_s") or []), d["task"],
                        list(d.get("plain_repeat_tokens_per_s") or []), d.get("equal_to_stock"),
                        {k: collections.Counter(v) for k, v in (d.get("trees_by_label") or {}).items()},
-                       d.get("forced"), d.get("lookup")))
+                       d.get("forced"), d.get("lookup"),
+                       beside={k: list(v) for k, v in (d.get("beside_repeat_tokens_per_s") or {}).items()}))
     return out
 
 
@@ -620,5 +696,6 @@ def write(rows: list[Row], out_dir: Path, config: dict, name: str = "sglang_cpu"
                                 **({"trees_by_label": {k: dict(v) for k, v in r.trees_by_label.items()}}
                                    if r.trees_by_label else {}),
                                 **({"forced": r.forced} if r.forced else {}),
-                                **({"lookup": r.lookup} if r.lookup else {})}) + "\n")
+                                **({"lookup": r.lookup} if r.lookup else {}),
+                                **({"beside_repeat_tokens_per_s": r.beside} if r.beside else {})}) + "\n")
     (out_dir / f"{name}.md").write_text(to_markdown(rows) + "\n")

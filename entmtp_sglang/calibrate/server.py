@@ -92,6 +92,16 @@ def _group_alive(pgid: int) -> bool:
         return False
 
 
+def stop_all(servers) -> None:
+    """Stop several servers at once: every one asked to exit first, then each waited for (their shutdowns overlap)."""
+    servers = [s for s in servers if s is not None]
+    for s in servers:
+        if isinstance(s, SGLangServer):
+            s.terminate()
+    for s in servers:
+        s.wait_stopped() if isinstance(s, SGLangServer) else s.stop()   # (a stand-in with only `stop`)
+
+
 class SGLangServer:
     def __init__(self, args: list[str], port: int, env: dict[str, str] | None = None,
                  log_path: Path | None = None, timeout_s: float = 600.0):
@@ -173,27 +183,35 @@ class SGLangServer:
 
     def stop(self) -> None:
         """Terminate the server and every process it started (its process group); kill what remains."""
+        self.terminate()
+        self.wait_stopped()
+
+    def terminate(self) -> None:
+        """Ask the server's process group to exit (SIGTERM), without waiting: `stop_all` stops several at once."""
+        if self.proc is not None and (self.proc.poll() is None or _group_alive(self.proc.pid)):
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)   # the server leads its own process group (start_new_session)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def wait_stopped(self) -> None:
+        """Wait for a terminated server's process group to exit; kill what remains after the grace period."""
         if self.proc is not None:
-            pgid = self.proc.pid  # the server leads its own process group (start_new_session)
-            if self.proc.poll() is None or _group_alive(pgid):
+            pgid = self.proc.pid
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                pass
+            deadline = time.monotonic() + 10
+            while _group_alive(pgid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if _group_alive(pgid):
                 try:
-                    os.killpg(pgid, signal.SIGTERM)
+                    os.killpg(pgid, signal.SIGKILL)
                 except (ProcessLookupError, PermissionError):
                     pass
-                try:
-                    self.proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    pass
-                deadline = time.monotonic() + 10
-                while _group_alive(pgid) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                if _group_alive(pgid):
-                    try:
-                        os.killpg(pgid, signal.SIGKILL)
-                    except (ProcessLookupError, PermissionError):
-                        pass
-                if self.proc.poll() is None:
-                    self.proc.wait(10)
+            if self.proc.poll() is None:
+                self.proc.wait(10)
         if getattr(self, "_log", None) is not None:
             self._log.close()
             self._log = None

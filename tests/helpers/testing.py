@@ -22,14 +22,21 @@ def import_sglang_or_skip(module: str = "sglang"):
         pytest.skip("SGLang is not installed (make sglang)", allow_module_level=True)
 
 
+# What a test's ENTMTP server decides must not depend on the machine's load: the step costs the server would time
+# (ENTMTP_ONLINE_COSTS) and the guard's delivered tokens per second (ENTMTP_GUARD) are wall-clock readings, so test
+# servers price steps by their tree set's costs alone unless a test turns them on (and then asserts no choice).
+FIXED_COSTS = {"ENTMTP_ONLINE_COSTS": "0", "ENTMTP_GUARD": "0"}
+
+
 def plain_and_entmtp(logs, extra: tuple[str, ...] = (), env: dict | None = None):
     """Two CPU servers of the bundled model, not started: plain SGLang on its own `torch_native` backend (the
-    reference) and SGLang with ENTMTP (`env` on top of SGLang's strict idle memory check); logs in `logs`."""
+    reference) and SGLang with ENTMTP (`env` on top of SGLang's strict idle memory check and `FIXED_COSTS`); logs in
+    `logs`."""
     from entmtp_sglang.calibrate.server import SGLangServer
 
     plain = SGLangServer.cpu(None, attention="torch_native", log_path=logs / "plain.log", extra=extra)
     ent = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp.log", extra=extra,
-                           env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **(env or {})})
+                           env={"SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE": "1", **FIXED_COSTS, **(env or {})})
     return plain, ent
 
 
@@ -44,8 +51,9 @@ def started(*servers):
             s.wait_ready()
         yield servers
     finally:
-        for s in servers:
-            s.stop()
+        from entmtp_sglang.calibrate.server import stop_all
+
+        stop_all(servers)
 
 
 def chi_square_pvalue(counts: dict, probs: dict, min_expected: float = 5.0) -> float:

@@ -1,0 +1,51 @@
+"""The worker's pure parts without a server: whether a server verifies raggedly (runtime.py), and a step's timing
+into the guard (timing.py: a step's tokens are counted once SGLang reports them, a step without a report as one token
+a row)."""
+
+from __future__ import annotations
+
+import logging
+from types import SimpleNamespace
+
+import pytest
+from helpers.testing import import_sglang_or_skip
+
+import_sglang_or_skip()
+
+from entmtp_sglang.sglang.runtime import ragged_verify_on  # noqa: E402
+from entmtp_sglang.sglang.timing import StepTiming  # noqa: E402
+
+
+@pytest.mark.parametrize("backend, setting, per_row, rest_tree, on", [
+    ("entmtp_torch", True, True, True, True),
+    ("entmtp_torch", False, True, True, False),     # ENTMTP_RAGGED=0
+    ("entmtp_torch", True, False, True, False),     # ENTMTP_PER_ROW_TREES=0
+    ("entmtp_torch", True, True, False, False),     # no chain:0 in the set
+    ("flashinfer", True, True, True, False),        # a target backend without a ragged plan
+])
+def test_ragged_verify_needs_every_condition(backend, setting, per_row, rest_tree, on, caplog):
+    caplog.set_level(logging.INFO, logger="entmtp_sglang.sglang")
+    args = SimpleNamespace(attention_backend=backend, decode_attention_backend=None)
+    assert ragged_verify_on(args, SimpleNamespace(per_row=per_row), setting, rest_tree) is on
+    assert ("ragged verify on" if on else "ragged verify off") in caplog.text
+
+
+class _Guard:
+    def __init__(self):
+        self.seen = []
+
+    def observe(self, rows, resting, tokens, seconds):
+        self.seen.append((rows, resting, tokens, seconds))
+
+
+def test_a_step_reaches_the_guard_with_the_tokens_sglang_reported():
+    timing = StepTiming.__new__(StepTiming)   # only the guard: no recorder, no cost fits
+    timing.observer = timing.costs = timing.ragged_costs = None
+    timing.guard, timing._guard_step = _Guard(), None
+    step = SimpleNamespace(chosen=None, ragged=None, resting=False, drafts=True)
+    timing.step_done(SimpleNamespace(reqs=[1, 2, 3]), step, 0.5)
+    timing.observe_tokens(7)
+    timing.step_done(SimpleNamespace(reqs=[1, 2]), SimpleNamespace(**{**vars(step), "resting": True}), 0.25)
+    timing.observe_tokens(None)   # no report came: one token a row
+    timing.observe_tokens(5)      # nothing pending: ignored
+    assert timing.guard.seen == [(3, False, 7, 0.5), (2, True, 2, 0.25)]
