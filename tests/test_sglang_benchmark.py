@@ -224,6 +224,17 @@ def test_with_a_stock_run_every_ratio_divides_by_stock():
     assert "| code | 1 | 2.00x (eagle-s1) |" in b.versus(rows, "entmtp", {"static": ["eagle-s1"]})
 
 
+FAKE_WORK = {"code": ([{"text": "a"}, {"text": "b"}], (1,))}   # two code prompts at batch 1
+
+
+def _run_fake(systems, every, tmp_path):
+    """`run_workloads` over the fake servers: `FAKE_WORK`, two repeats, four servers at once."""
+    _Server.up.clear()
+    _Server.seen.clear()
+    return b.run_workloads(systems, FAKE_WORK, repeats=2, log_dir=tmp_path, progress=lambda *a: None, at_once=4,
+                           every=every)
+
+
 def test_stock_and_plain_stay_up_in_every_wave_and_stock_is_measured_first(tmp_path):
     """Stock, plain and six systems, four servers at once: three waves with stock and plain in each; in every
     (task, batch) stock runs first and every other system's paired ratio divides by the stock run of its own wave;
@@ -243,11 +254,7 @@ def test_stock_and_plain_stay_up_in_every_wave_and_stock_is_measured_first(tmp_p
     with pytest.raises(ValueError, match="not in the run: nope"):
         b.waves(systems, 4, ("plain-stock", "nope"))
 
-    _Server.up.clear()
-    _Server.seen.clear()
-    work = {"code": ([{"text": "a"}, {"text": "b"}], (1,))}
-    rows = b.run_workloads(systems, work, repeats=2, log_dir=tmp_path, progress=lambda *a: None, at_once=4,
-                           every=("plain-stock", "plain"))
+    rows = _run_fake(systems, ("plain-stock", "plain"), tmp_path)
     assert max(len(up) for _, up in _Server.seen) == 4 and not _Server.up
     runs = [n for n, _ in _Server.seen][::2]          # one run = two requests, one at a time at batch 1
     assert [runs[i:i + 2] for i in range(0, len(runs), 4)] == [["plain-stock", "plain"]] * 6  # 3 waves x 2 repeats
@@ -261,7 +268,7 @@ def test_stock_and_plain_stay_up_in_every_wave_and_stock_is_measured_first(tmp_p
     assert (by["plain"].equal_to_plain, by["plain"].equal_to_stock) == (None, 0)
     assert (by["s0"].equal_to_plain, by["s0"].equal_to_stock) == (0, 2)
     with pytest.raises(ValueError, match="baseline 'nope'"):
-        b.run_workloads(systems, work, repeats=1, log_dir=tmp_path, progress=lambda *a: None, baseline="nope")
+        b.run_workloads(systems, FAKE_WORK, repeats=1, log_dir=tmp_path, progress=lambda *a: None, baseline="nope")
 
 
 # -- stock SGLang itself -------------------------------------------------------------------------------
@@ -375,11 +382,7 @@ def test_plain_on_entmtp_torch_in_every_wave_leaves_its_runs_beside_every_other_
     assert [[s.name for s in w] for w in plan] == [["plain-stock", "plain-entmtp", "s0", "s1"],
                                                    ["plain-stock", "plain-entmtp", "s2", "s3"],
                                                    ["plain-stock", "plain-entmtp", "plain"]]
-    _Server.up.clear()
-    _Server.seen.clear()
-    work = {"code": ([{"text": "a"}, {"text": "b"}], (1,))}
-    rows = b.run_workloads(systems, work, repeats=2, log_dir=tmp_path, progress=lambda *a: None, at_once=4,
-                           every=("plain-stock", "plain-entmtp"))
+    rows = _run_fake(systems, ("plain-stock", "plain-entmtp"), tmp_path)
     assert max(len(up) for _, up in _Server.seen) == 4 and not _Server.up
     runs = [n for n, _ in _Server.seen][::2]          # one run = two requests, one at a time at batch 1
     assert runs[:4] == ["plain-stock", "plain-entmtp", "s0", "s1"] and runs[-3:] == ["plain-stock", "plain-entmtp",
@@ -395,7 +398,7 @@ def test_plain_on_entmtp_torch_in_every_wave_leaves_its_runs_beside_every_other_
     assert by["plain-stock"].equal_to_plain == 2      # measured first in every wave after the first
     # plain with the package alone (no second plain server): never compared with itself
     _Server.up.clear()
-    one = {r.system: r for r in b.run_workloads([stock, pe, others[0]], work, repeats=2, log_dir=tmp_path,
+    one = {r.system: r for r in b.run_workloads([stock, pe, others[0]], FAKE_WORK, repeats=2, log_dir=tmp_path,
                                                 progress=lambda *a: None, every=("plain-stock", "plain-entmtp"))}
     assert one["plain-entmtp"].equal_to_plain is None and one["s0"].beside["plain-entmtp"] == \
         one["plain-entmtp"].repeat_tokens_per_s

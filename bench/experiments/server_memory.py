@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures as cf
 import json
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from entmtp_sglang.model.prepare import resolve_alias
 from entmtp_sglang.tasks import load_prompts
 
 ROOT = Path(__file__).resolve().parents[2]
+ENTMTP_NAME = "entmtp (make serve)"
 
 
 def scheduler_rss_mib(server: SGLangServer) -> float:
@@ -80,18 +82,21 @@ def main(argv=None) -> None:
     ap.add_argument("--at-once", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=24)
     ap.add_argument("--every", type=int, default=100, help="requests between two memory readings")
+    ap.add_argument("--systems", default="plain,entmtp", help="which servers, in order (default plain,entmtp)")
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "server_memory")
     args = ap.parse_args(argv)
     model = resolve_alias(args.model)
     texts = chat_texts(model, args.requests)
     args.out.mkdir(parents=True, exist_ok=True)
     common = ("--dtype", "float32")
-    systems = {
-        "plain (package, entmtp_torch, overlap on)": SGLangServer(
-            cpu_args(None, model=model, extra=common), free_port(), log_path=args.out / "plain.log"),
-        "entmtp (make serve)": SGLangServer(
-            cpu_args("ENTMTP", model=model, extra=common), free_port(), log_path=args.out / "entmtp.log"),
+    known = {
+        "plain": ("plain (package, entmtp_torch, overlap on)", None),
+        "entmtp": (ENTMTP_NAME, "ENTMTP"),
     }
+    logs = Path(tempfile.mkdtemp(prefix="entmtp-server-memory-"))   # (server logs stay out of the results)
+    print(f"server logs in {logs}", flush=True)
+    systems = {known[k][0]: SGLangServer(cpu_args(known[k][1], model=model, extra=common), free_port(),
+                                         log_path=logs / f"{k}.log") for k in args.systems.split(",")}
     rows = {}
     for name, server in systems.items():
         print(f"== {name}", flush=True)
@@ -113,7 +118,7 @@ def main(argv=None) -> None:
     for name, pts in rows.items():
         grow = pts[-1]["rss_mib"] - pts[0]["rss_mib"]
         lines.append(f"| {name} | " + " | ".join(f"{p['rss_mib']:.1f}" for p in pts) + f" | {grow:+.1f} MiB |")
-    last = rows["entmtp (make serve)"][-1]["entmtp_requests"]
+    last = rows[ENTMTP_NAME][-1]["entmtp_requests"] if ENTMTP_NAME in rows else None
     lines += ["", f"ENTMTP's per-request table after the last request: {json.dumps(last)}.",
               "Resident memory in MiB of the `sglang::scheduler` process; growth from the first reading (after the "
               "first batch of requests) to the last."]
