@@ -70,12 +70,18 @@ class DrafterKind:
     module     the nn.Module; `Class.from_config(cfg, target_shape, draft_ids)` builds it from the drafter
                directory's config.json for a target of `target_shape`
     drafting   a `Drafting` subclass; `Class(module, target)` drafts with it
-    summary    one line for help texts"""
+    summary    one line for help texts
+    label      its name in tables and reports (default: `name`)"""
 
     name: str
     module: str
     drafting: str
     summary: str
+    label: str = ""
+
+    @property
+    def display(self) -> str:
+        return self.label or self.name
 
     def module_class(self):
         return _resolve(self.module)
@@ -108,10 +114,11 @@ register(DrafterKind("medusa", "entmtp_sglang.model.drafters:MedusaHeads", "entm
 register(DrafterKind("hydra", "entmtp_sglang.model.drafters:HydraHead", "entmtp_sglang.engine.draft:HydraDrafting",
                      "sequentially dependent heads that also read the drafted tokens"))
 register(DrafterKind("eagle", "entmtp_sglang.model.drafters:EagleDraft", "entmtp_sglang.engine.draft:EagleDrafting",
-                     "one decoder layer over (token, target feature), SGLang's EAGLE layout"))
+                     "one decoder layer over (token, target feature), SGLang's EAGLE layout", "EAGLE"))
 register(DrafterKind("eagle3", "entmtp_sglang.model.eagle3:Eagle3Draft",
                      "entmtp_sglang.engine.draft_eagle3:Eagle3Drafting",
-                     "one decoder layer over the target's fused low, mid and high features, SGLang's EAGLE-3 layout"))
+                     "one decoder layer over the target's fused low, mid and high features, SGLang's EAGLE-3 layout",
+                     "EAGLE-3"))
 
 
 def drafter_names() -> tuple[str, ...]:

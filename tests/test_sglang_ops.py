@@ -4,7 +4,10 @@ The two tree ops are compared with straightforward Python transcriptions of SGLa
 kernels (`sglang/kernels/ops/speculative/spec_tree.py`: `sgl_build_tree_kernel_efficient_triton`,
 `verify_tree_greedy_kernel_triton`), on hand-drawn trees and on random trees produced by replaying
 SGLang's EAGLE draft bookkeeping (`select_top_k_tokens` + `organize_draft_results`) with random
-probabilities. The index ops are checked against hand-computed values.
+probabilities. NGRAM's `reconstruct_indices_from_tree_mask` is compared with a transcription of SGLang's
+CUDA kernel (`sglang/kernels/jit/include/sgl_kernel/speculative/ngram.cuh`) on hand-drawn and random trees
+and on random masks. The index ops are checked against hand-computed values. Where SGLang is installed,
+its CPU path's `from sgl_kernel... import` lines are read (not run) and checked against `CPU_OPS`.
 
 Set ENTMTP_SGLANG_SPEC_TREE=/path/to/sglang/kernels/ops/speculative/spec_tree.py and run with
 `-m slow` to also compare against SGLang's own Triton kernels under TRITON_INTERPRET=1.
@@ -26,6 +29,7 @@ import torch
 from entmtp_sglang.sglang.cpu import ops as cpu_ops
 from entmtp_sglang.sglang.cpu.ops import (
     CPU_OP_NAMES,
+    CPU_OPS,
     TREE_MASK_FULL,
     TREE_MASK_QLEN_ONLY,
     InstallOutcome,
@@ -37,6 +41,7 @@ from entmtp_sglang.sglang.cpu.ops import (
     fill_accept_out_cache_loc_cpu,
     fill_bonus_tokens_cpu,
     install_if_missing,
+    reconstruct_indices_from_tree_mask,
     sglang_platform_plugin,
     verify_tree_greedy_cpu,
 )
@@ -142,6 +147,50 @@ def ref_verify_greedy(candidates, r_index, r_next, r_sib, target_predict, num_sp
         accept_token_num[bx] = num_accept
         predicts[last] = target[last]
     return predicts, accept_index, accept_token_num
+
+
+def ref_reconstruct(mask, seq_lens, bs, n):
+    """ngram.cuh `reconstructIndicesFromTreeMask`, one thread per (request bid, node tid); `mask` a flat list.
+
+    Returns (positions, retrive_index, retrive_next_token, retrive_next_sibling) as nested lists.
+    """
+    positions = [0] * (bs * n)
+    r_index = [[0] * n for _ in range(bs)]
+    r_next = [[0] * n for _ in range(bs)]
+    r_sib = [[0] * n for _ in range(bs)]
+    for bid in range(bs):
+        token_idx, tree_mask_offset = bid * n, bid * n * n
+        for tid in range(n):
+            depth, parent_idx = 0, -1
+            start_idx = tree_mask_offset + tid * n
+            for i in range(tid - 1, -1, -1):
+                if mask[start_idx + i]:
+                    depth += 1
+                    if parent_idx == -1:
+                        parent_idx = i
+            r_index[bid][tid] = token_idx + tid
+            positions[token_idx + tid] = depth + seq_lens[bid]
+            next_token_idx = -1
+            for i in range(tid + 1, n):
+                if mask[tree_mask_offset + i * n + tid]:
+                    next_token_idx = i
+                    break
+            r_next[bid][tid] = next_token_idx
+            next_sibling_idx = -1
+            if parent_idx != -1:
+                for i in range(tid + 1, n):
+                    start = tree_mask_offset + i * n + parent_idx
+                    if mask[start]:
+                        is_sibling = True
+                        for j in range(start + 1, tree_mask_offset + i * n + i):
+                            if mask[j]:
+                                is_sibling = False
+                                break
+                        if is_sibling:
+                            next_sibling_idx = i
+                            break
+            r_sib[bid][tid] = next_sibling_idx
+    return positions, r_index, r_next, r_sib
 
 
 def simulate_eagle_draft(bs, topk, num_steps, num_draft_tokens, gen):
@@ -513,6 +562,159 @@ def test_verify_tree_greedy_takes_sglang_keyword_names():
 
 
 # ------------------------------------------------------------------------------------------------
+# reconstruct_indices_from_tree_mask (NGRAM)
+# ------------------------------------------------------------------------------------------------
+def run_reconstruct(tree_mask, seq_lens, bs, n):
+    """Call the op as NGRAMWorker does: positionally, into int64 buffers (uninitialised there; -7 here)."""
+    positions = torch.full((bs * n,), -7, dtype=torch.long)
+    retrieve_buf = torch.full((3, bs, n), -7, dtype=torch.long)
+    reconstruct_indices_from_tree_mask(tree_mask, seq_lens, positions, retrieve_buf[0], retrieve_buf[1],
+                                       retrieve_buf[2], bs, n)
+    return positions, retrieve_buf
+
+
+def assert_reconstruct_matches_reference(tree_mask, seq_lens, bs, n):
+    positions, retrieve_buf = run_reconstruct(tree_mask, torch.tensor(seq_lens), bs, n)
+    ref = ref_reconstruct(tree_mask.reshape(-1).bool().tolist(), seq_lens, bs, n)
+    assert positions.tolist() == ref[0]
+    assert retrieve_buf[0].tolist() == ref[1]
+    assert retrieve_buf[1].tolist() == ref[2]
+    assert retrieve_buf[2].tolist() == ref[3]
+    return positions, retrieve_buf
+
+
+def ngram_mask(*parent_arrays):
+    """NGRAM's flat bool mask for one tree per request: row i holds node i and its ancestors."""
+    return torch.cat([build_buffers(Tree(p)).ancestor_mask.reshape(-1) for p in parent_arrays])
+
+
+def test_reconstruct_hand_case_from_sgl_kernel():
+    # sgl-kernel's own test (test_reconstruct_indices_from_tree_mask), seq_len 12:
+    #      0
+    #     / \
+    #    1   2
+    #        |
+    #        3
+    tree_mask = torch.tensor([1, 0, 0, 0,
+                              1, 1, 0, 0,
+                              1, 0, 1, 0,
+                              1, 0, 1, 1], dtype=torch.bool)
+    positions, retrieve_buf = assert_reconstruct_matches_reference(tree_mask, [12], 1, 4)
+    assert positions.tolist() == [12, 13, 13, 14]
+    assert retrieve_buf[0].tolist() == [[0, 1, 2, 3]]
+    assert retrieve_buf[1].tolist() == [[1, -1, 3, -1]]   # first child
+    assert retrieve_buf[2].tolist() == [[-1, 2, -1, -1]]  # next sibling
+
+
+def test_reconstruct_hand_case_two_requests():
+    # request 0, seq_len 3:          request 1, seq_len 0:
+    #        0                              0
+    #      / | \                            |
+    #     1  2  4                           1
+    #     |                                / \
+    #     3                               2   3
+    #                                         |
+    #                                         4
+    parents = [(-1, 0, 0, 1, 0), (-1, 0, 1, 1, 3)]
+    positions, retrieve_buf = assert_reconstruct_matches_reference(ngram_mask(*parents), [3, 0], 2, 5)
+    assert positions.tolist() == [3, 4, 4, 5, 4] + [0, 1, 2, 2, 3]
+    assert retrieve_buf[0].tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert retrieve_buf[1].tolist() == [[1, 3, -1, -1, -1], [1, 2, -1, 4, -1]]
+    assert retrieve_buf[2].tolist() == [[-1, 2, 4, -1, -1], [-1, -1, 3, -1, -1]]
+
+
+def test_reconstruct_hand_case_masks_that_are_not_trees():
+    # What the kernel writes for masks no NGRAM corpus produces: depth counts the earlier nodes a row sees,
+    # the parent is the latest of them, the "first child" is the first later row that sees the node.
+    #   row 0: . . .        row 2 sees node 1 but not node 0: parent 1, depth 1, and node 0's
+    #   row 1: x . .        first child is 1; node 2 is the first row seeing 1
+    #   row 2: . x .
+    not_closed = torch.tensor([0, 0, 0, 1, 0, 0, 0, 1, 0], dtype=torch.bool)
+    positions, retrieve_buf = assert_reconstruct_matches_reference(not_closed, [5], 1, 3)
+    assert positions.tolist() == [5, 6, 6]
+    assert retrieve_buf[1].tolist() == [[1, 2, -1]] and retrieve_buf[2].tolist() == [[-1, -1, -1]]
+    # only the diagonal (and cells above it, never read): every node a root, no links, no siblings
+    upper = torch.ones(3, 3, dtype=torch.bool).triu().reshape(-1)
+    positions, retrieve_buf = assert_reconstruct_matches_reference(upper, [5], 1, 3)
+    assert positions.tolist() == [5, 5, 5]
+    assert retrieve_buf[1:].tolist() == [[[-1, -1, -1]], [[-1, -1, -1]]]
+
+
+def random_parents(n, gen):
+    """A random tree in topological order: node i hangs under a uniformly drawn earlier node."""
+    return tuple([-1] + [int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, n)])
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8, 12, 16])  # 12: NGRAM's default speculative_num_draft_tokens
+def test_reconstruct_random_trees_match_reference_and_canonical_tree(n):
+    gen = torch.Generator().manual_seed(100 + n)
+    for bs in (1, 3, 8):
+        parents = [random_parents(n, gen) for _ in range(bs)]
+        seq_lens = torch.randint(0, 50, (bs,), generator=gen).tolist()
+        positions, retrieve_buf = assert_reconstruct_matches_reference(ngram_mask(*parents), seq_lens, bs, n)
+        for b, p in enumerate(parents):
+            bufs = build_buffers(Tree(p))
+            assert retrieve_buf[1, b].tolist() == bufs.retrieve_next_token.tolist()
+            assert retrieve_buf[2, b].tolist() == bufs.retrieve_next_sibling.tolist()
+            assert (positions.view(bs, n)[b] - seq_lens[b]).tolist() == bufs.positions.tolist()
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 12])
+def test_reconstruct_random_masks_match_reference(n):
+    gen = torch.Generator().manual_seed(200 + n)
+    for bs in (1, 4, 7):
+        for density in (0.2, 0.5, 0.8):
+            tree_mask = torch.rand(bs * n * n, generator=gen) < density
+            seq_lens = torch.randint(0, 30, (bs,), generator=gen).tolist()
+            out = assert_reconstruct_matches_reference(tree_mask, seq_lens, bs, n)
+            # the diagonal and the upper triangle are never read
+            flipped = tree_mask.view(bs, n, n) ^ torch.ones(n, n, dtype=torch.bool).triu()
+            again = run_reconstruct(flipped.reshape(-1), torch.tensor(seq_lens), bs, n)
+            assert torch.equal(again[0], out[0]) and torch.equal(again[1], out[1])
+
+
+@pytest.mark.parametrize("seq_dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("mask_dtype", [torch.bool, torch.uint8])
+def test_reconstruct_writes_slices_of_preallocated_buffers_as_ngram_passes_them(seq_dtype, mask_dtype):
+    # NGRAMWorker._init_preallocated_tensors: buffers for max_batch_size, each step passes [:bs] slices.
+    max_bs, bs, n = 4, 2, 6
+    gen = torch.Generator().manual_seed(9)
+    parents = [random_parents(n, gen) for _ in range(bs)]
+    tree_mask = torch.zeros(max_bs * n * n, dtype=mask_dtype)
+    tree_mask[: bs * n * n] = ngram_mask(*parents).to(mask_dtype)
+    positions = torch.full((max_bs * n,), -7, dtype=torch.int64)
+    retrieve = [torch.full((max_bs, n), -7, dtype=torch.int64) for _ in range(3)]
+    seq_lens = torch.tensor([10, 3], dtype=seq_dtype)
+    reconstruct_indices_from_tree_mask(tree_mask, seq_lens, positions[: bs * n], *(r[:bs, :] for r in retrieve),
+                                       bs, n)
+    expected = run_reconstruct(ngram_mask(*parents), seq_lens.long(), bs, n)
+    assert positions[: bs * n].tolist() == expected[0].tolist()
+    assert [r[:bs].tolist() for r in retrieve] == expected[1].tolist()
+    assert positions[bs * n:].eq(-7).all() and all(r[bs:].eq(-7).all() for r in retrieve)
+
+
+def test_reconstruct_rejects_short_buffers_and_accepts_an_empty_batch():
+    outs = (torch.empty(8, dtype=torch.long), *(torch.empty(2, 4, dtype=torch.long) for _ in range(3)))
+    with pytest.raises(ValueError, match="tree_mask"):
+        reconstruct_indices_from_tree_mask(torch.ones(31, dtype=torch.bool), torch.tensor([1, 2]), *outs, 2, 4)
+    with pytest.raises(ValueError, match="positions"):
+        reconstruct_indices_from_tree_mask(torch.ones(32, dtype=torch.bool), torch.tensor([1, 2]),
+                                           torch.empty(7, dtype=torch.long), *outs[1:], 2, 4)
+    with pytest.raises(ValueError, match="draft_token_num"):
+        reconstruct_indices_from_tree_mask(torch.ones(0, dtype=torch.bool), torch.tensor([1, 2]), *outs, 2, 0)
+    empty = torch.empty(0, dtype=torch.long)
+    reconstruct_indices_from_tree_mask(torch.ones(0, dtype=torch.bool), empty, empty, empty.view(0, 4),
+                                       empty.view(0, 4), empty.view(0, 4), 0, 4)
+
+
+def test_reconstruct_takes_sgl_kernel_parameter_names():
+    # sgl-kernel's schema (and SGLang's `reconstruct_indices_from_tree_mask_func`), `retrive_*` spelling included
+    names = list(inspect.signature(reconstruct_indices_from_tree_mask).parameters)
+    assert names == ["tree_mask", "verified_seq_len", "positions", "retrive_index", "retrive_next_token",
+                     "retrive_next_sibling", "batch_size", "draft_token_num"]
+
+
+# ------------------------------------------------------------------------------------------------
 # Index arithmetic ops: hand-computed expectations
 # ------------------------------------------------------------------------------------------------
 def test_assign_req_to_token_pool_scatters_segments():
@@ -613,37 +815,59 @@ def test_ops_accept_empty_batches():
 
 
 # ------------------------------------------------------------------------------------------------
-# install_if_missing: where SGLang looks the ops up (`from sgl_kernel import NAME`)
+# install_if_missing: where SGLang looks the ops up (`from sgl_kernel import NAME`,
+# `from sgl_kernel.speculative import NAME`)
 # ------------------------------------------------------------------------------------------------
+OP_MODULES = sorted({module for module, _ in CPU_OPS})
+
+
 @pytest.fixture
 def cpu_engine(monkeypatch):
     monkeypatch.setenv("SGLANG_USE_CPU_ENGINE", "1")
 
 
-def test_install_does_nothing_outside_the_cpu_engine(monkeypatch):
+@pytest.fixture
+def no_sgl_kernel(monkeypatch):
+    """`import sgl_kernel` (and its submodules) raise ImportError; whatever install puts there is undone after."""
+    for module in OP_MODULES:
+        monkeypatch.setitem(sys.modules, module, None)
+
+
+def test_cpu_ops_table_names_every_op_once():
+    assert CPU_OP_NAMES == tuple(name for _, name in CPU_OPS) and len(set(CPU_OP_NAMES)) == len(CPU_OPS)
+    assert all(module == "sgl_kernel" or module.startswith("sgl_kernel.") for module, _ in CPU_OPS)
+    assert all(callable(getattr(cpu_ops, name)) and name in cpu_ops.__all__ for name in CPU_OP_NAMES)
+    assert ("sgl_kernel.speculative", "reconstruct_indices_from_tree_mask") in CPU_OPS
+
+
+def test_install_does_nothing_outside_the_cpu_engine(monkeypatch, no_sgl_kernel):
     monkeypatch.delenv("SGLANG_USE_CPU_ENGINE", raising=False)
-    monkeypatch.setitem(sys.modules, "sgl_kernel", None)
     assert install_if_missing() is InstallOutcome.SKIPPED
-    assert sys.modules["sgl_kernel"] is None
+    assert all(sys.modules[module] is None for module in OP_MODULES)
 
 
-def test_install_puts_a_stub_when_sgl_kernel_does_not_import(monkeypatch, cpu_engine):
-    monkeypatch.setitem(sys.modules, "sgl_kernel", None)  # makes `import sgl_kernel` raise ImportError
+def test_install_puts_a_stub_when_sgl_kernel_does_not_import(no_sgl_kernel, cpu_engine):
     assert install_if_missing() is InstallOutcome.STUB_INSTALLED
     from sgl_kernel import build_tree_kernel_efficient_cpu as looked_up  # noqa: PLC0415
+    from sgl_kernel.speculative import reconstruct_indices_from_tree_mask as ngram_looked_up  # noqa: PLC0415
 
     assert looked_up is build_tree_kernel_efficient_cpu
-    module = importlib.import_module("sgl_kernel")
-    assert all(getattr(module, name) is getattr(cpu_ops, name) for name in CPU_OP_NAMES)
+    assert ngram_looked_up is reconstruct_indices_from_tree_mask
+    assert all(getattr(importlib.import_module(module), name) is getattr(cpu_ops, name) for module, name in CPU_OPS)
+    assert importlib.import_module("sgl_kernel").speculative is sys.modules["sgl_kernel.speculative"]
     with pytest.raises(ImportError):
         from sgl_kernel import rmsnorm_cpu  # noqa: F401, PLC0415
-    assert importlib.util.find_spec("sgl_kernel") is not None  # a spec, so find_spec does not raise
+    with pytest.raises(ImportError):
+        from sgl_kernel.speculative import verify_tree_greedy  # noqa: F401, PLC0415
+    with pytest.raises(ModuleNotFoundError):   # not a package: SGLang's optional `sgl_kernel.allreduce` stays absent
+        importlib.import_module("sgl_kernel.allreduce")
+    assert all(importlib.util.find_spec(module) is not None for module in OP_MODULES)  # specs: find_spec works
     assert install_if_missing() is InstallOutcome.STUB_PRESENT
     assert sglang_platform_plugin() is None  # the platform entry point: installs, activates nothing
 
 
-def test_install_never_shadows_a_real_sgl_kernel(monkeypatch, cpu_engine):
-    real = types.ModuleType("sgl_kernel")
+def test_install_never_shadows_a_real_sgl_kernel(monkeypatch, no_sgl_kernel, cpu_engine):
+    real = types.ModuleType("sgl_kernel")   # no `speculative` submodule: it gets our stub
     sentinel = object()
     real.verify_tree_greedy_cpu = sentinel
     real.rmsnorm_cpu = sentinel
@@ -652,7 +876,90 @@ def test_install_never_shadows_a_real_sgl_kernel(monkeypatch, cpu_engine):
     assert sys.modules["sgl_kernel"] is real
     assert real.verify_tree_greedy_cpu is sentinel and real.rmsnorm_cpu is sentinel
     assert real.copy_all_layer_kv_cache_cpu is copy_all_layer_kv_cache_cpu
+    assert real.speculative is sys.modules["sgl_kernel.speculative"]
+    assert real.speculative.reconstruct_indices_from_tree_mask is reconstruct_indices_from_tree_mask
     assert install_if_missing() is InstallOutcome.REAL_COMPLETE
+
+
+def test_install_fills_a_real_submodule_only_where_it_lacks_the_op(monkeypatch, no_sgl_kernel, cpu_engine):
+    real = types.ModuleType("sgl_kernel")
+    for name in CPU_OP_NAMES:
+        setattr(real, name, getattr(cpu_ops, name))
+    speculative = types.ModuleType("sgl_kernel.speculative")
+    monkeypatch.setitem(sys.modules, "sgl_kernel", real)
+    monkeypatch.setitem(sys.modules, "sgl_kernel.speculative", speculative)
+    assert install_if_missing() is InstallOutcome.ADDED_TO_REAL
+    assert speculative.reconstruct_indices_from_tree_mask is reconstruct_indices_from_tree_mask
+    own = object()
+    speculative.reconstruct_indices_from_tree_mask = own
+    assert install_if_missing() is InstallOutcome.REAL_COMPLETE
+    assert speculative.reconstruct_indices_from_tree_mask is own
+
+
+# SGLang 0.5.23's modules that import sgl_kernel ops on the CPU path (the table in cpu/ops.py's docstring)
+SGLANG_CPU_IMPORTERS = (
+    "srt/mem_cache/allocation.py",
+    "kernels/ops/kvcache/cache_move.py",
+    "kernels/ops/speculative/cache_locs.py",
+    "kernels/ops/speculative/eagle.py",
+    "kernels/ops/speculative/spec_tree.py",
+    "kernels/ops/speculative/reconstruct_tree.py",   # NGRAM
+)
+
+
+def _sglang_root() -> str | None:
+    """The installed SGLang package directory, found without importing SGLang."""
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return list(spec.submodule_search_locations)[0]
+
+
+class _OnCpu(dict):
+    """SGLang's device tests as a CPU process sees them: `_is_cpu`, `is_cpu()` true; other `_is_X`, `is_X()` false."""
+
+    def __missing__(self, name):
+        if name == "TYPE_CHECKING":
+            return False
+        if name.startswith("_is_"):
+            return name == "_is_cpu"
+        if name.startswith("is_"):
+            return lambda: name == "is_cpu"
+        raise KeyError(f"unexpected name {name!r} in a module-level `if`: re-read this file for the new SGLang")
+
+
+def _cpu_path_sgl_kernel_imports(path: str) -> list[ast.ImportFrom]:
+    """The module-level `from sgl_kernel[.x] import ...` statements a CPU process runs in `path` (read, not run)."""
+    found = []
+
+    def walk(body):
+        for node in body:
+            if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "sgl_kernel":
+                found.append(node)
+            elif isinstance(node, ast.If):
+                taken = eval(compile(ast.Expression(node.test), path, "eval"), {}, _OnCpu())  # noqa: S307
+                walk(node.body if taken else node.orelse)
+
+    walk(ast.parse(open(path).read()).body)
+    return found
+
+
+def test_sglang_cpu_path_imports_exactly_our_ops_and_gets_the_torch_versions(no_sgl_kernel, cpu_engine):
+    root = _sglang_root()
+    if root is None:
+        pytest.skip("SGLang is not installed")
+    imports = {path: _cpu_path_sgl_kernel_imports(os.path.join(root, path)) for path in SGLANG_CPU_IMPORTERS}
+    wanted = {(node.module, alias.name) for nodes in imports.values() for node in nodes for alias in node.names}
+    assert wanted == set(CPU_OPS)
+    assert {(n.module, a.name) for n in imports["kernels/ops/speculative/reconstruct_tree.py"] for a in n.names} == {
+        ("sgl_kernel.speculative", "reconstruct_indices_from_tree_mask")}
+    assert install_if_missing() is InstallOutcome.STUB_INSTALLED
+    for path, nodes in imports.items():   # run SGLang's own import statements against the installed stubs
+        namespace: dict = {}
+        exec(compile(ast.Module(nodes, []), path, "exec"), namespace)  # noqa: S102
+        for node in nodes:
+            for alias in node.names:
+                assert namespace[alias.asname or alias.name] is getattr(cpu_ops, alias.name), (path, alias.name)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -660,12 +967,8 @@ def test_install_never_shadows_a_real_sgl_kernel(monkeypatch, cpu_engine):
 # ------------------------------------------------------------------------------------------------
 def _installed_spec_tree() -> str | None:
     """SGLang's spec_tree.py in the installed SGLang (found without importing SGLang)."""
-    import importlib.util  # noqa: PLC0415
-
-    spec = importlib.util.find_spec("sglang")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return os.path.join(list(spec.submodule_search_locations)[0], "kernels", "ops", "speculative", "spec_tree.py")
+    root = _sglang_root()
+    return None if root is None else os.path.join(root, "kernels", "ops", "speculative", "spec_tree.py")
 
 
 @pytest.mark.slow
@@ -714,3 +1017,33 @@ def test_against_sglang_triton_kernels_interpreted(monkeypatch):
             out = run_verify(candidates, retrieve_buf, target_predict, num_steps + 1)
             assert torch.equal(out[0], predicts) and torch.equal(out[1], accept_index)
             assert torch.equal(out[2], accept_token_num)
+
+
+@pytest.mark.slow
+def test_reconstruct_against_sglang_triton_kernel_interpreted(monkeypatch):
+    root = _sglang_root()
+    path = None if root is None else os.path.join(root, "kernels", "ops", "speculative", "reconstruct_tree.py")
+    if not path or not os.path.exists(path):
+        pytest.skip("no SGLang with kernels/ops/speculative/reconstruct_tree.py")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    triton = pytest.importorskip("triton")
+    import triton.language as tl  # noqa: PLC0415
+
+    source = ast.parse(open(path).read())
+    kernel_ast = ast.Module([n for n in source.body
+                             if isinstance(n, ast.FunctionDef) and n.name == "_reconstruct_tree_mask_kernel"], [])
+    namespace = {"triton": triton, "tl": tl}
+    exec(compile(kernel_ast, path, "exec"), namespace)  # noqa: S102
+    kernel = namespace["_reconstruct_tree_mask_kernel"]
+
+    gen = torch.Generator().manual_seed(4)
+    for n in (1, 3, 5, 12):
+        bs = 3
+        trees = ngram_mask(*(random_parents(n, gen) for _ in range(bs)))
+        for tree_mask in (trees, torch.rand(bs * n * n, generator=gen) < 0.4):
+            seq_lens = torch.randint(0, 20, (bs,), generator=gen)
+            positions = torch.empty(bs * n, dtype=torch.long)
+            retrieve_buf = torch.empty(3, bs, n, dtype=torch.long)
+            kernel[(bs,)](tree_mask, seq_lens, positions, *retrieve_buf, n, triton.next_power_of_2(n))
+            ours = run_reconstruct(tree_mask, seq_lens, bs, n)
+            assert torch.equal(ours[0], positions) and torch.equal(ours[1], retrieve_buf)

@@ -33,6 +33,7 @@ import torch
 
 from ..calibrate.costs import fit_step_cost
 from ..calibrate.records import CalibrationConfig, load_records, record_positions, records_file
+from ..drafting import DRAFTER_KINDS
 from ..engine.engine import Engine, static_chooser
 from ..model.load import load_bundle
 from ..policy.chooser import StepView
@@ -508,7 +509,7 @@ _KINDS = {
     "oracle": (_Oracle, "best tree of the EntMTP set at every step, in hindsight (ceiling)"),
 }
 assert set(_KINDS) <= set(POLICIES), "every reference system kind is a policy of policy/registry.py"
-_DRAFTER_NAMES = {"medusa": "medusa", "hydra": "hydra", "eagle": "EAGLE", "eagle3": "EAGLE-3"}
+_DRAFTER_NAMES = {k.name: k.display for k in DRAFTER_KINDS.values()}   # every registered drafter kind
 for _kind, (_cls, _desc) in _KINDS.items():
     for _drafter, _name in _DRAFTER_NAMES.items():
         register_system(f"{_kind}-{_drafter}", "reference", f"{_desc}; {_name} drafter")(

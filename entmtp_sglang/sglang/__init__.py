@@ -8,6 +8,6 @@ on CPU; `observe.py` + `recording.py`: calibration records from verified steps).
 row-wise ops and linear hooks, sampling, the attention backend (see `cpu/__init__.py`).
 """
 
-from .cpu.ops import CPU_OP_NAMES, InstallOutcome, install_if_missing, sglang_platform_plugin
+from .cpu.ops import CPU_OP_NAMES, CPU_OPS, InstallOutcome, install_if_missing, sglang_platform_plugin
 
-__all__ = ["CPU_OP_NAMES", "InstallOutcome", "install_if_missing", "sglang_platform_plugin"]
+__all__ = ["CPU_OPS", "CPU_OP_NAMES", "InstallOutcome", "install_if_missing", "sglang_platform_plugin"]

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..calibrate.records import CalibrationConfig, record_positions
+from ..drafting import drafter_names
 from ..engine.engine import Engine, static_chooser
 from ..model.load import load_bundle
 from ..tasks import load_prompts
@@ -205,8 +206,9 @@ def merge_previous(results: dict, meta: dict, previous: dict | None) -> tuple[di
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2")
-    p.add_argument("--drafters", default=",".join(k for k in ("medusa", "hydra", "eagle", "eagle3")),
-                   help="drafters to measure (default: medusa,hydra,eagle,eagle3; a missing one is an error)")
+    p.add_argument("--drafters", default=",".join(drafter_names()),
+                   help=f"drafters to measure (default: every registered kind, {','.join(drafter_names())}; a "
+                        "missing one is an error)")
     p.add_argument("--prompts", type=int, default=6)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)

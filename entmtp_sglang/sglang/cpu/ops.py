@@ -1,25 +1,30 @@
 """Pure-torch versions of the `sgl_kernel` CPU ops that SGLang 0.5.23 imports on its CPU path.
 
-SGLang runs on CPU with `SGLANG_USE_CPU_ENGINE=1`. Five of its modules then import CPU ops from
-`sgl_kernel` at module import time (each under `if _is_cpu:`, with `from sgl_kernel import NAME`),
-but PyPI only publishes a CUDA build of sgl-kernel, so on a CPU machine `import sgl_kernel` fails and
-those SGLang modules cannot be imported at all:
+SGLang runs on CPU with `SGLANG_USE_CPU_ENGINE=1`. Six of its modules then import CPU ops from
+`sgl_kernel` at module import time (five under `if _is_cpu:`, with `from sgl_kernel import NAME`; the
+NGRAM one on every device but CUDA, ROCm and XPU, from the submodule `sgl_kernel.speculative`), but PyPI
+only publishes a CUDA build of sgl-kernel, so on a CPU machine `import sgl_kernel` fails and those
+SGLang modules cannot be imported at all:
 
-    sglang/srt/mem_cache/allocation.py:46             assign_req_to_token_pool_cpu
-    sglang/kernels/ops/kvcache/cache_move.py:10       copy_all_layer_kv_cache_cpu
-    sglang/kernels/ops/speculative/cache_locs.py:28   assign_draft_cache_locs_contiguous_cpu,
-                                                      assign_extend_cache_locs_cpu
-    sglang/kernels/ops/speculative/eagle.py:10        fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu
-    sglang/kernels/ops/speculative/spec_tree.py:40    build_tree_kernel_efficient_cpu, verify_tree_greedy_cpu
+    sglang/srt/mem_cache/allocation.py:46                  assign_req_to_token_pool_cpu
+    sglang/kernels/ops/kvcache/cache_move.py:10            copy_all_layer_kv_cache_cpu
+    sglang/kernels/ops/speculative/cache_locs.py:28        assign_draft_cache_locs_contiguous_cpu,
+                                                           assign_extend_cache_locs_cpu
+    sglang/kernels/ops/speculative/eagle.py:10             fill_accept_out_cache_loc_cpu, fill_bonus_tokens_cpu
+    sglang/kernels/ops/speculative/spec_tree.py:40         build_tree_kernel_efficient_cpu, verify_tree_greedy_cpu
+    sglang/kernels/ops/speculative/reconstruct_tree.py:50  reconstruct_indices_from_tree_mask
+                                                           (from sgl_kernel.speculative; NGRAM only)
 
-SGLang looks these eight up as attributes of the Python module `sgl_kernel` (never through
-`torch.ops.sgl_kernel.*`), so `install_if_missing()` provides them as module attributes: on a stub
-`sgl_kernel` module placed in `sys.modules` when no real one imports, or added (only the missing
-names) to a real one that lacks them. It never replaces anything a real sgl_kernel defines.
+SGLang looks these nine up as attributes of Python modules (never through `torch.ops.sgl_kernel.*`);
+`CPU_OPS` names the module and attribute of each, and `install_if_missing()` provides them there: on
+stub modules (`sgl_kernel`, `sgl_kernel.speculative`) placed in `sys.modules` when no real sgl_kernel
+imports, or added (only the missing names) to a real one that lacks them. It never replaces anything a
+real sgl_kernel defines.
 
 Signatures and in-place contracts follow sgl-kernel 0.4.10 (the version SGLang 0.5.23 pins), whose
-C++ CPU ops live in `sgl-kernel/csrc/cpu/`; each op's docstring gives its semantics as a pseudo-loop
-and names the SGLang call site and the CUDA/Triton kernel it mirrors. Every op mutates its output
+C++ CPU ops live in `sgl-kernel/csrc/cpu/` (`reconstruct_indices_from_tree_mask` has no CPU build there:
+it follows the CUDA kernel); each op's docstring gives its semantics as a pseudo-loop and names the
+SGLang call site and the CUDA/Triton kernel it mirrors. Every op mutates its output
 tensors in place and returns None, like the C++ ops. Integer inputs may be int32 or int64.
 
 Parameter names are sgl-kernel's schema, misspelling included (`retrive_index`, ...): SGLang calls
@@ -44,6 +49,7 @@ from ...kernels import tree_ancestor_mask, verify_tree_greedy
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "CPU_OPS",
     "CPU_OP_NAMES",
     "InstallOutcome",
     "TREE_MASK_FULL",
@@ -57,6 +63,7 @@ __all__ = [
     "fill_accept_out_cache_loc_cpu",
     "fill_bonus_tokens_cpu",
     "install_if_missing",
+    "reconstruct_indices_from_tree_mask",
     "sglang_platform_plugin",
     "verify_tree_greedy_cpu",
 ]
@@ -535,18 +542,92 @@ def _parents_from_links(first_child: torch.Tensor, next_sibling: torch.Tensor) -
 
 
 # ------------------------------------------------------------------------------------------------
+# NGRAM tree: verify buffers from the tree mask
+# ------------------------------------------------------------------------------------------------
+def reconstruct_indices_from_tree_mask(
+    tree_mask: torch.Tensor,
+    verified_seq_len: torch.Tensor,
+    positions: torch.Tensor,
+    retrive_index: torch.Tensor,
+    retrive_next_token: torch.Tensor,
+    retrive_next_sibling: torch.Tensor,
+    batch_size: int,
+    draft_token_num: int,
+) -> None:
+    """Read NGRAM's draft tree off its mask: positions and the retrieve links (in place).
+
+    tree_mask is flat, row-major, QLEN_ONLY: mask[b, i, j] = tree_mask[(b*n + i)*n + j] marks node j
+    visible to node i (n = draft_token_num). Only the strict lower triangle (j < i) is read:
+
+        for b in range(batch_size):
+            for i in range(n):
+                seen = [j for j in range(i) if mask[b, i, j]]          # i's ancestors
+                parent[i] = max(seen) if seen else -1
+                positions[b*n + i] = verified_seq_len[b] + len(seen)    # depth + prefix length
+                retrive_index[b, i] = b*n + i
+                retrive_next_token[b, i] = min(k > i with mask[b, k, i], else -1)          # first child
+            for i in range(n):
+                retrive_next_sibling[b, i] = -1 if parent[i] == -1 else \
+                    min(k > i with parent[k] == parent[i], else -1)                        # next sibling
+
+    On an ancestor-closed mask (NGRAM's: each row holds the node, its ancestors and nothing else) the
+    first later node that sees i is i's first child; on any other mask the loops above still say what
+    is written. Node 0 (the root) and nodes that see no earlier node get parent -1, hence no sibling.
+
+    Called positionally by `reconstruct_indices_from_tree_mask_func`
+    (sglang/kernels/ops/speculative/reconstruct_tree.py:163-194) from
+    `NGRAMWorker._prepare_for_speculative_decoding` (sglang/srt/speculative/ngram_worker.py:342-351), with
+    the bool mask of `NgramCorpus.batch_get` (bs * n * n), `batch.seq_lens` and slices of preallocated
+    int64 buffers: positions (bs * n,), retrive_* (bs, n). Mirrors the CUDA kernel
+    `reconstructIndicesFromTreeMask` (kernels/jit/include/sgl_kernel/speculative/ngram.cuh), whose
+    sibling test "mask[k, parent] and nothing between parent and k" is parent[k] == parent[i], and the
+    Triton kernel `_reconstruct_tree_mask_kernel` (reconstruct_tree.py:56-114). sgl-kernel has no CPU
+    build of it. A mask buffer larger than the batch needs is accepted; only its head is read.
+    """
+    if draft_token_num < 1 or batch_size < 0:
+        raise ValueError(f"need draft_token_num >= 1 and batch_size >= 0, got {draft_token_num}, {batch_size}")
+    bs, n = batch_size, draft_token_num
+    _check_numel("tree_mask", tree_mask, bs * n * n, at_least=True)
+    _check_numel("verified_seq_len", verified_seq_len, bs)
+    for name, t in (("positions", positions), ("retrive_index", retrive_index),
+                    ("retrive_next_token", retrive_next_token), ("retrive_next_sibling", retrive_next_sibling)):
+        _check_numel(name, t, bs * n)
+    if bs == 0:
+        return
+    device = verified_seq_len.device
+    node = torch.arange(n, device=device)
+    mask = tree_mask.reshape(-1)[: bs * n * n].view(bs, n, n).bool()       # [b, i, j]: j visible to i
+    seen = mask & (node.view(1, n) < node.view(n, 1))                       # strict lower triangle
+    parent = torch.where(seen, node, -1).amax(-1)                           # (bs, n), -1: none
+    next_token = _first_true(seen.transpose(1, 2))                          # [b, i, k]: k sees i
+    same_parent = (parent.unsqueeze(2) == parent.unsqueeze(1)) & (parent >= 0).unsqueeze(2)  # [b, i, k]
+    next_sibling = _first_true(same_parent & (node.view(1, n) > node.view(n, 1)))
+
+    positions.copy_((_as_long(verified_seq_len.reshape(bs, 1)) + seen.sum(-1)).reshape(positions.shape))
+    retrive_index.copy_((torch.arange(bs, device=device).view(bs, 1) * n + node).reshape(retrive_index.shape))
+    retrive_next_token.copy_(next_token.reshape(retrive_next_token.shape))
+    retrive_next_sibling.copy_(next_sibling.reshape(retrive_next_sibling.shape))
+
+
+# ------------------------------------------------------------------------------------------------
 # Exposing the ops where SGLang looks them up
 # ------------------------------------------------------------------------------------------------
-CPU_OP_NAMES: tuple[str, ...] = (
-    "copy_all_layer_kv_cache_cpu",
-    "assign_req_to_token_pool_cpu",
-    "assign_draft_cache_locs_contiguous_cpu",
-    "assign_extend_cache_locs_cpu",
-    "fill_bonus_tokens_cpu",
-    "fill_accept_out_cache_loc_cpu",
-    "build_tree_kernel_efficient_cpu",
-    "verify_tree_greedy_cpu",
+# Where SGLang 0.5.23's CPU path looks each op up: (module, attribute); the attribute is this module's function
+# of the same name. Modules other than `sgl_kernel` are its submodules, imported as `from sgl_kernel.X import`.
+CPU_OPS: tuple[tuple[str, str], ...] = (
+    ("sgl_kernel", "copy_all_layer_kv_cache_cpu"),
+    ("sgl_kernel", "assign_req_to_token_pool_cpu"),
+    ("sgl_kernel", "assign_draft_cache_locs_contiguous_cpu"),
+    ("sgl_kernel", "assign_extend_cache_locs_cpu"),
+    ("sgl_kernel", "fill_bonus_tokens_cpu"),
+    ("sgl_kernel", "fill_accept_out_cache_loc_cpu"),
+    ("sgl_kernel", "build_tree_kernel_efficient_cpu"),
+    ("sgl_kernel", "verify_tree_greedy_cpu"),
+    ("sgl_kernel.speculative", "reconstruct_indices_from_tree_mask"),
 )
+CPU_OP_NAMES: tuple[str, ...] = tuple(name for _, name in CPU_OPS)
+# The modules that hold them, parents before submodules.
+_OP_MODULES: tuple[str, ...] = tuple(sorted(dict.fromkeys(module for module, _ in CPU_OPS), key=lambda m: m.count(".")))
 
 _STUB_MARKER = "__entmtp_sglang_stub__"
 
@@ -555,44 +636,59 @@ class InstallOutcome(enum.Enum):
     """What `install_if_missing` did."""
 
     SKIPPED = "skipped"  # SGLang's CPU engine is not selected (SGLANG_USE_CPU_ENGINE != 1)
-    REAL_COMPLETE = "real_complete"  # a real sgl_kernel imports and has all eight ops: nothing done
+    REAL_COMPLETE = "real_complete"  # a real sgl_kernel imports and has every op of CPU_OPS: nothing done
     ADDED_TO_REAL = "added_to_real"  # a real sgl_kernel imports but lacked some: only those were added
-    STUB_INSTALLED = "stub_installed"  # no importable sgl_kernel: a stub module now sits in sys.modules
+    STUB_INSTALLED = "stub_installed"  # no importable sgl_kernel: stub modules now sit in sys.modules
     STUB_PRESENT = "stub_present"  # our stub was already installed
 
 
-def _make_stub() -> types.ModuleType:
-    stub = types.ModuleType("sgl_kernel", "entmtp-sglang stand-in for a CPU build of sgl_kernel: only "
-                                          "the eight CPU ops SGLang's CPU path imports.")
-    # A spec keeps importlib.util.find_spec("sgl_kernel") from raising on a module without one.
-    stub.__spec__ = importlib.machinery.ModuleSpec("sgl_kernel", loader=None, origin=__name__)
+def _ops_in(module_name: str) -> tuple[str, ...]:
+    return tuple(name for module, name in CPU_OPS if module == module_name)
+
+
+def _make_stub(module_name: str) -> types.ModuleType:
+    names = _ops_in(module_name)
+    stub = types.ModuleType(module_name, f"entmtp-sglang stand-in for a CPU build of {module_name}: only the "
+                                         f"CPU ops SGLang's CPU path imports from it.")
+    # A spec keeps importlib.util.find_spec(module_name) from raising on a module without one.
+    stub.__spec__ = importlib.machinery.ModuleSpec(module_name, loader=None, origin=__name__)
     setattr(stub, _STUB_MARKER, True)
     this = sys.modules[__name__]
-    for name in CPU_OP_NAMES:
+    for name in names:
         setattr(stub, name, getattr(this, name))
 
     def __getattr__(name: str):
-        raise AttributeError(f"sgl_kernel (the entmtp-sglang CPU stub) has no {name!r}: no CPU build of "
-                             f"sgl_kernel is installed, and the stub provides only {', '.join(CPU_OP_NAMES)}")
+        raise AttributeError(f"{module_name} (the entmtp-sglang CPU stub) has no {name!r}: no CPU build of "
+                             f"sgl_kernel is installed, and the stub provides only {', '.join(names)}")
 
     stub.__getattr__ = __getattr__
-    stub.__all__ = list(CPU_OP_NAMES)
+    stub.__all__ = list(names)
+    return stub
+
+
+def _put_stub(module_name: str) -> types.ModuleType:
+    """Our stub as `sys.modules[module_name]`, and as the attribute of its parent module for a submodule."""
+    stub = sys.modules[module_name] = _make_stub(module_name)
+    parent, _, leaf = module_name.rpartition(".")
+    if parent:
+        setattr(sys.modules[parent], leaf, stub)
     return stub
 
 
 def install_if_missing(*, only_for_cpu_engine: bool = True) -> InstallOutcome:
-    """Make `from sgl_kernel import <op>` work for the eight CPU ops, never shadowing a real sgl_kernel.
+    """Make `from sgl_kernel[.X] import <op>` work for every op of CPU_OPS, never shadowing a real sgl_kernel.
 
     1. Unless `only_for_cpu_engine` is False, do nothing when SGLANG_USE_CPU_ENGINE != "1": only
        SGLang's CPU path imports these ops, and a stub `sgl_kernel` would turn GPU-path
        `import sgl_kernel` failures into later AttributeErrors.
     2. If `sys.modules["sgl_kernel"]` is already our stub: nothing to do.
-    3. Try `import sgl_kernel`. If it imports, set only the names it lacks (a CUDA build has none of
-       the `*_cpu` ops; an older CPU build may lack some); existing attributes are never touched.
+    3. Try `import sgl_kernel`. If it imports, import each submodule of CPU_OPS too and set only the
+       names each lacks (a CUDA build has none of the `*_cpu` ops; an older CPU build may lack some);
+       existing attributes are never touched. A submodule that does not import gets our stub for it.
     4. If the import fails (not installed, or a CUDA build failing with `No module named
-       'common_ops'`), put a stub module named `sgl_kernel` in sys.modules that holds exactly these
-       eight functions; any other attribute raises AttributeError, so `from sgl_kernel import other`
-       still raises ImportError as before.
+       'common_ops'`), put stub modules in sys.modules: `sgl_kernel` and each submodule of CPU_OPS
+       (also set as an attribute of `sgl_kernel`), each holding exactly its ops; any other attribute
+       raises AttributeError, so `from sgl_kernel import other` still raises ImportError as before.
 
     Must run before SGLang imports the modules listed in this file's docstring, in every process
     (SGLang spawns its scheduler processes): see docs/sglang.md ("Installing the CPU ops").
@@ -604,19 +700,29 @@ def install_if_missing(*, only_for_cpu_engine: bool = True) -> InstallOutcome:
         return InstallOutcome.STUB_PRESENT
     # not a patches.py entry: provides a missing optional module (or its missing names), replaces nothing SGLang has
     try:
-        real = importlib.import_module("sgl_kernel")
+        importlib.import_module("sgl_kernel")
     except Exception as exc:  # ImportError, or OSError/RuntimeError from loading a CUDA build
-        sys.modules["sgl_kernel"] = _make_stub()
-        logger.info("sgl_kernel does not import (%s: %s); installed the entmtp-sglang CPU stub with %s",
-                    type(exc).__name__, exc, ", ".join(CPU_OP_NAMES))
+        for module_name in _OP_MODULES:
+            _put_stub(module_name)
+        logger.info("sgl_kernel does not import (%s: %s); installed the entmtp-sglang CPU stubs %s with %s",
+                    type(exc).__name__, exc, ", ".join(_OP_MODULES), ", ".join(CPU_OP_NAMES))
         return InstallOutcome.STUB_INSTALLED
-    missing = [name for name in CPU_OP_NAMES if not hasattr(real, name)]
-    if not missing:
-        return InstallOutcome.REAL_COMPLETE
+    added = []
     this = sys.modules[__name__]
-    for name in missing:
-        setattr(real, name, getattr(this, name))
-    logger.info("sgl_kernel lacks %s; added the entmtp-sglang torch versions", ", ".join(missing))
+    for module_name in _OP_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:  # a submodule this sgl_kernel does not have (or cannot import)
+            _put_stub(module_name)
+            added += [f"{module_name}.{name}" for name in _ops_in(module_name)]
+            continue
+        for name in _ops_in(module_name):
+            if not hasattr(module, name):
+                setattr(module, name, getattr(this, name))
+                added.append(f"{module_name}.{name}")
+    if not added:
+        return InstallOutcome.REAL_COMPLETE
+    logger.info("sgl_kernel lacks %s; added the entmtp-sglang torch versions", ", ".join(added))
     return InstallOutcome.ADDED_TO_REAL
 
 
