@@ -13,6 +13,10 @@ Systems (entmtp_sglang/bench/sglang_benchmark.py says how each is started):
   only the eight sgl_kernel CPU ops SGLang cannot start on a CPU without), SGLang's own linear layers, attention
   (torch_native) and sampling. Every ratio over stock divides by it, every paired one by its run beside in the same
   wave.
+- `plain-stock-bf16`: the same stock SGLang serving in bfloat16 (`--dtype bfloat16`, what SGLang's `--dtype auto`
+  serves this checkpoint in, so the stock a CPU user would run; the other servers serve float32, the only dtype the
+  package's layers take). Its outputs round differently and are its own: compared with nothing. The headline's "vs
+  stock SGLang in bfloat16" columns divide by it.
 - `plain-entmtp`, the baseline of what speculation adds: plain SGLang with this package installed (the plugin's CPU
   linear layers, sglang/cpu/linear.py, and row-wise ops) on the plugin's `entmtp_torch` attention, the backend ENTMTP
   and the EAGLE servers run on, with SGLang's overlap scheduling on as plain SGLang runs it (nothing turns it off:
@@ -30,16 +34,13 @@ Systems (entmtp_sglang/bench/sglang_benchmark.py says how each is started):
   needs a CPU build of sgl-kernel), so they run in the closest form: the plugin loaded for its `entmtp_torch`
   attention and CPU ops, on SGLang's own layers (ENTMTP_LINEAR=torch, ENTMTP_ROWWISE=0; `--eagle-layers package`
   puts them on the plugin's layers instead).
-Each SmolLM2 server holds about 4 GiB here, so no more than four are up at once (--at-once, `waves`): stock and
-`plain-entmtp` in every wave (EVERY_WAVE), two others beside them, in SYSTEMS' order: ENTMTP with adaptive first,
-then the static grid two at a time, and `plain` (torch_native) last, in a wave of the three plain servers (four
-waves, 15 server runs, against three waves and 12 before `plain-entmtp`). Why `plain` left every wave: a fifth
-server does not fit, and with both plains in every wave one slot would be left per wave (six waves, 24 server
-runs). Every ratio the README uses stays computable and paired, as each needs only a system and the baseline(s) of
-its wave: over stock (every system), over `plain-entmtp` (ENTMTP, EAGLE, adaptive, `plain`), `plain` over stock,
-and ENTMTP against EAGLE through `plain-entmtp`. What `plain` paired with before, ENTMTP's ratio over it, is what
-speculation adds over the slower attention, no longer a headline figure; it still follows from the two paired
-ratios over stock. A second table gives ENTMTP's paired ratio over the best static EAGLE setting's and adaptive's
+Each SmolLM2 server holds 3-4 GiB here, so no more than five are up at once (--at-once, `waves`): the three
+baselines, stock in float32 and in bfloat16 and `plain-entmtp`, in every wave (EVERY_WAVE), two others beside them, in
+SYSTEMS' order: ENTMTP with adaptive first, then the static grid two at a time, and `plain` (torch_native) last (four
+waves, 17 server runs, by default; `--systems entmtp,eagle-adaptive,eagle-s1-k1-n2,plain` runs two waves). Every
+ratio the README uses stays computable and paired, as each needs only a system and the baselines of its wave: over
+stock in either dtype (every system), over `plain-entmtp` (ENTMTP, EAGLE, adaptive, `plain`), and ENTMTP against
+EAGLE through `plain-entmtp`. A second table gives ENTMTP's paired ratio over the best static EAGLE setting's and adaptive's
 (each over the `plain-entmtp` run beside it; over stock in older runs).
 
 Workloads (held-out prompts through the model's chat template, greedy, float32): code, chat, prose, JSON under a
@@ -48,14 +49,13 @@ and 4; the mixed stream (all of them, task after task) at batch 8 and 16, and at
 five tasks' runs (the same requests: tokens over seconds added up); the mixed batch (JSON, tool calls, code and chat
 taken in turn, so that every batch in flight mixes them, as agent traffic does) at batch 4, 8 and 16, with a table of
 the trees each kind of request took inside it (ENTMTP picks a tree per request). The two schema workloads run again
-in the compact JSON layout (`json-compact`, `tool-call-compact`: stock, both plains and ENTMTP, one wave, restarted
-with SGLang's
---constrained-json-disable-any-whitespace, where the grammar alone decides much more of the text; `--json-layouts`).
+in the compact JSON layout (`json-compact`, `tool-call-compact`: stock in both dtypes, both plains and ENTMTP, one
+wave, restarted with SGLang's --constrained-json-disable-any-whitespace, where the grammar alone decides much more of the text; `--json-layouts`).
 The forced-spans column: the share of the output tokens that came from forced spans (text the grammar decides,
 drafted below ENTMTP's trees), their acceptance and tokens verified per span; after "repeats:", the same for lookup
 spans (the request's own text repeating where the grammar decides nothing, ENTMTP_LOOKUP_SPANS). The servers of a
-wave are measured interleaved (entmtp_sglang/bench/sglang_benchmark.py): stock first, then `plain-entmtp`, then the
-others; tokens/s is the median over repeats, and every output is compared with plain decoding's (with this package:
+wave are measured interleaved (entmtp_sglang/bench/sglang_benchmark.py): stock first, then stock in bfloat16 and
+`plain-entmtp`, then the others; tokens/s is the median over repeats, and every output is compared with plain decoding's (with this package:
 `plain-entmtp`'s) and stock SGLang's.
 """
 
@@ -75,6 +75,7 @@ from entmtp_sglang.bench.sglang_benchmark import (
     PLAIN,
     PLAIN_ENTMTP,
     STOCK,
+    STOCK_BF16,
     Row,
     SystemSpec,
     baseline_of,
@@ -130,21 +131,22 @@ ENTMTP_EAGLE3 = SystemSpec("entmtp-eagle3", "ENTMTP", draft="eagle3")
 # ENTMTP with another drafter's weights (`--compare-draft DIR`: say the drafter shipped before a refresh, against the
 # one shipped now), in the same run
 COMPARE = SystemSpec("entmtp-compare-draft", "ENTMTP")
-# stock and plain on entmtp_torch in every wave (the two baselines); ENTMTP's wave first, beside adaptive; plain on
-# torch_native last, in a wave of the three plain servers (module docstring)
-SYSTEMS = (STOCK, PLAIN_ENTMTP, ENTMTP, *EAGLE_SGLANG_LAYERS, PLAIN)
+# stock (float32 and bfloat16) and plain on entmtp_torch in every wave (the three baselines); ENTMTP's wave first,
+# beside adaptive; plain on torch_native last (module docstring)
+SYSTEMS = (STOCK, STOCK_BF16, PLAIN_ENTMTP, ENTMTP, *EAGLE_SGLANG_LAYERS, PLAIN)
 OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED, ENTMTP_NO_LOOKUP, ENTMTP_NO_REST_SPANS,
             ENTMTP_LOOKUP_CONSTRAINED, ENTMTP_NO_SPAN_ENDS, ENTMTP_NO_GUARD)
-EVERY_WAVE = (STOCK.name, PLAIN_ENTMTP.name)
-BASELINES = (STOCK, PLAIN_ENTMTP)   # always run: every ratio divides by one of them
+EVERY_WAVE = (STOCK.name, STOCK_BF16.name, PLAIN_ENTMTP.name)
+BASELINES = (STOCK, STOCK_BF16, PLAIN_ENTMTP)   # always run: every ratio divides by one of them
 DEFAULT = tuple(s.name for s in SYSTEMS)
-AT_ONCE = 4   # each SmolLM2 server holds about 4 GiB here (front end, scheduler, detokenizer): four fit in 24 GiB
+AT_ONCE = 5   # each SmolLM2 server holds 3-4 GiB here (front end, scheduler, detokenizer): five fit in 24 GiB
+# (16.7 GiB in use with five up at once, 2026-12-07)
 TASKS = ("code", "chat", "prose", "json", "tool-call")
 # the schema workloads again in the compact JSON layout (SGLang's --constrained-json-disable-any-whitespace, a
 # server flag: a second set of servers), on these systems where they run
 COMPACT = "--constrained-json-disable-any-whitespace"
 COMPACT_TASKS = ("json", "tool-call")
-COMPACT_SYSTEMS = (STOCK.name, PLAIN_ENTMTP.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name, ENTMTP_NO_FORCED.name,
+COMPACT_SYSTEMS = (STOCK.name, STOCK_BF16.name, PLAIN_ENTMTP.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name, ENTMTP_NO_FORCED.name,
                    ENTMTP_NO_LOOKUP.name, ENTMTP_NO_REST_SPANS.name, ENTMTP_NO_SPAN_ENDS.name)
 # the mixed batch: agent traffic, every batch in flight mixing schema extraction, tool calls, code and chat
 MIXED_BATCH_TASKS = ("json", "tool-call", "code", "chat")
@@ -162,7 +164,8 @@ def systems_for(names: list[str], eagle_layers: str = "sglang") -> list[SystemSp
     """The specs to run, in SYSTEMS' order: the named ones and the two baselines (`BASELINES`: stock SGLang, which
     every ratio over stock needs, and plain with the package on entmtp_torch, which what speculation adds needs).
     `eagle_layers="package"`: EAGLE and adaptive on this package's linear layers instead of SGLang's."""
-    specs = (SYSTEMS if eagle_layers == "sglang" else (STOCK, PLAIN_ENTMTP, ENTMTP, ADAPTIVE, *EAGLE_GRID, PLAIN)
+    specs = (SYSTEMS if eagle_layers == "sglang" else (STOCK, STOCK_BF16, PLAIN_ENTMTP, ENTMTP, ADAPTIVE, *EAGLE_GRID,
+                                                        PLAIN)
              ) + OPTIONAL
     wanted = set(names) | {s.name for s in BASELINES}
     return [s for s in specs if s.name in wanted]
@@ -360,6 +363,7 @@ def tables(rows: list[Row], meta: dict | None = None) -> str:
 # the README headline's first table: each system's line, in this order (others by name, after them)
 HEADLINE_LABELS = {
     STOCK.name: "stock SGLang, plain decoding",
+    STOCK_BF16.name: "stock SGLang, plain decoding in bfloat16 (`--dtype bfloat16`, what `--dtype auto` serves)",
     PLAIN.name: "plain SGLang with this package installed (its CPU linear layers and row-wise ops)",
     PLAIN_ENTMTP.name: ("plain SGLang with this package on its `entmtp_torch` attention, overlap on (ENTMTP's layers "
                         "and attention: the baseline of what speculation adds)"),
@@ -428,9 +432,11 @@ def headline(rows: list[Row], meta: dict | None = None) -> str:
 
     statics = [s.name for s in EAGLE_GRID if any(r.system == s.name for r in rows)]
 
-    lines = (["| system (batch 1, mixed workloads) | tok/s | vs stock SGLang (paired) | vs plain with the package on "
-              "`entmtp_torch` (paired) |", "|---|---|---|---|"] if spec else
-             ["| system (batch 1, mixed workloads) | tok/s | vs stock SGLang (paired) |", "|---|---|---|"])
+    bf16 = STOCK_BF16.name if any(r.system == STOCK_BF16.name for r in rows) else None
+    cols = ["system (batch 1, mixed workloads)", "tok/s", "vs stock SGLang (paired)",
+            *(["vs stock SGLang in bfloat16 (paired)"] if bf16 else []),
+            *(["vs plain with the package on `entmtp_torch` (paired)"] if spec else [])]
+    lines = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     names = list(dict.fromkeys(r.system for r in rows if r.task == "mixed" and r.batch == 1))
     order = [n for n in HEADLINE_LABELS if n in names or n == "best static"]
     order += [n for n in names if n not in HEADLINE_LABELS and n not in statics]
@@ -444,10 +450,11 @@ def headline(rows: list[Row], meta: dict | None = None) -> str:
         label = (PLAIN_TORCH_NATIVE_LABEL if spec and name == PLAIN.name else HEADLINE_LABELS.get(name, f"`{name}`")
                  ).format(setting=(setting or "").removeprefix("eagle-"), layers=layers)
         tps, ratio = f"{r.tokens_per_s:.1f}", cell(system, "mixed", 1)
-        added = over(system, "mixed", 1) if spec else None
+        cells = [tps, ratio, *([over(system, "mixed", 1, bf16)] if bf16 else []),
+                 *([over(system, "mixed", 1)] if spec else [])]
         if name == ENTMTP.name:
-            tps, ratio, added = f"**{tps}**", f"**{ratio}**", added and f"**{added}**"
-        lines.append(f"| {label} | {tps} | {ratio} |" + (f" {added} |" if spec else ""))
+            cells = [f"**{c}**" if c else c for c in cells]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     def versus_best(task: str, b: int, others: list[str]) -> str:
         return _x((over_best(rows, ENTMTP.name, others, task, b, via) or (None,))[0])
@@ -457,6 +464,7 @@ def headline(rows: list[Row], meta: dict | None = None) -> str:
               [("plain with the package (mixed)", PLAIN.name)])
     head = ["batch", *(h for _, h in HEADLINE_TASKS), *(h for h, _ in plains),
             "mixed, ENTMTP vs plain on `entmtp_torch` (paired)" if spec else "mixed, ENTMTP vs plain with the package",
+            *(["mixed, ENTMTP vs stock in bfloat16 (paired)"] if bf16 else []),
             "mixed vs adaptive", "mixed vs best static", "mixed batch vs adaptive", "mixed batch vs best static"]
     table = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     batches = sorted({r.batch for r in rows if r.system == ENTMTP.name})
@@ -466,6 +474,7 @@ def headline(rows: list[Row], meta: dict | None = None) -> str:
                  *(cell(n, "mixed", b) for _, n in plains),
                  over(ENTMTP.name, "mixed", b) if spec else
                  _x(ent.tokens_per_s / plain.tokens_per_s) if ent and plain else "",
+                 *([over(ENTMTP.name, "mixed", b, bf16)] if bf16 else []),
                  versus_best("mixed", b, [ADAPTIVE.name]), versus_best("mixed", b, statics),
                  versus_best("mixed-batch", b, [ADAPTIVE.name]), versus_best("mixed-batch", b, statics)]
         table.append("| " + " | ".join(cells) + " |")
@@ -476,7 +485,38 @@ def headline(rows: list[Row], meta: dict | None = None) -> str:
         adds += ["| " + " | ".join([str(b), *(over(ENTMTP.name, t, b) for t, _ in HEADLINE_TASKS)]) + " |"
                  for b in batches]
         text += "\n\n" + "\n".join(adds)
+        said = goals(rows)
+        if said:
+            text += "\n\n" + said
     return text
+
+
+# issue 56's goals for what speculation adds: (task, batch sizes, the least paired ratio of ENTMTP over plain with the
+# package on entmtp_torch)
+GOALS = (("mixed", (1, 4, 8, 16), 1.0), ("mixed-batch", (1, 4, 8, 16), 1.0), ("mixed", (1,), 1.5),
+         ("mixed", (4,), 1.3), ("tool-call-compact", (1,), 2.0), ("json-compact", (1,), 2.0))
+
+
+def goals(rows: list[Row]) -> str:
+    """Each of `GOALS` said plainly met or not, from the run's rows: ENTMTP's paired ratio over plain with the package
+    on `entmtp_torch` (the ratio of medians where a row has no pairing); a goal whose rows the run lacks is left
+    out. Empty without that baseline."""
+    if speculation_baseline(rows) != PLAIN_ENTMTP.name:
+        return ""
+    by = {(r.system, r.task, r.batch): r for r in rows}
+    said = []
+    for task, batches, least in GOALS:
+        cells = []
+        for b in batches:
+            r, p = by.get((ENTMTP.name, task, b)), by.get((PLAIN_ENTMTP.name, task, b))
+            if r is None or p is None:
+                continue
+            x = paired_over(rows, r, PLAIN_ENTMTP.name) or r.tokens_per_s / p.tokens_per_s
+            cells.append(f"{b}: {x:.2f}x {'met' if x >= least else '**NOT met**'}")
+        if cells:
+            said.append(f"- {task} at least {least:.1f}x: " + ", ".join(cells))
+    return ("Goals (issue 56), ENTMTP over plain with the package on `entmtp_torch`, paired, by batch size:\n"
+            + "\n".join(said)) if said else ""
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -492,7 +532,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--systems", default=",".join(DEFAULT), help="comma-separated, from: " + ", ".join(
         s.name for s in SYSTEMS + OPTIONAL) + f" (default: all but {', '.join(s.name for s in OPTIONAL)}); "
-        f"{STOCK.name} and {PLAIN_ENTMTP.name}, the baselines, always run")
+        f"{', '.join(s.name for s in BASELINES)}, the baselines, always run")
     ap.add_argument("--tasks", default=",".join(TASKS) + ",mixed,mixed-batch", help="comma-separated workloads, "
                     "from: " + ", ".join(TASKS) + ", mixed (the mixed stream: all the tasks' prompts, task after "
                     "task), mixed-batch (" + ", ".join(MIXED_BATCH_TASKS) + " taken in turn, so every batch in "
@@ -511,8 +551,7 @@ def main() -> None:
                     "EAGLE and adaptive servers: SGLang's own (default: the closest to stock SGLang they run in on a "
                     "CPU) or this package's")
     ap.add_argument("--at-once", type=int, default=AT_ONCE, help="the most servers up together; more systems run "
-                    f"in waves, {STOCK.name} and {PLAIN_ENTMTP.name} in each (default %(default)s: each server holds "
-                    "about 4 GiB)")
+                    f"in waves, {', '.join(EVERY_WAVE)} in each (default %(default)s: each server holds 3-4 GiB)")
     ap.add_argument("--compare-draft", type=Path, metavar="DIR", default=None,
                     help=f"also run ENTMTP with the drafter in DIR (system {COMPARE.name}; the same tree set, on every "
                     "layout): another drafter's weights against the shipped one's in the same run")

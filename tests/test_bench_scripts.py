@@ -257,24 +257,33 @@ def test_the_product_benchmark_runs_stock_sglang_as_its_baseline_in_every_wave()
     speed = load_script("sglang_speed")
     specs = speed.systems_for(list(speed.DEFAULT))
     plan = waves(specs, speed.AT_ONCE, speed.EVERY_WAVE)
+    base = ["plain-stock", "plain-stock-bf16", "plain-entmtp"]
     assert [[s.name for s in w] for w in plan] == [
-        ["plain-stock", "plain-entmtp", "entmtp", "eagle-adaptive"],
-        ["plain-stock", "plain-entmtp", "eagle-s1-k1-n2", "eagle-s2-k1-n3"],
-        ["plain-stock", "plain-entmtp", "eagle-s3-k1-n4", "eagle-s3-k2-n6"],
-        ["plain-stock", "plain-entmtp", "plain"]]
+        [*base, "entmtp", "eagle-adaptive"],
+        [*base, "eagle-s1-k1-n2", "eagle-s2-k1-n3"],
+        [*base, "eagle-s3-k1-n4", "eagle-s3-k2-n6"],
+        [*base, "plain"]]
     by = {s.name: s for s in specs}
     assert by["plain-stock"].stock and dict(by["plain-stock"].env) == {"SGLANG_PLUGINS": "entmtp_cpu_ops"}
-    assert {n: s.layers for n, s in by.items()} == {"plain-stock": "sglang", "plain": "package", "entmtp": "package",
+    # stock in bfloat16: the same stock server told to serve bfloat16 after the run's --dtype float32
+    bf16 = by["plain-stock-bf16"]
+    assert bf16.stock and bf16.env == by["plain-stock"].env and bf16.dtype == "bfloat16" and by["plain"].dtype is None
+    args = bf16.server(Path("/tmp"), ("--dtype", "float32")).args
+    assert args[len(args) - 1 - args[::-1].index("--dtype") + 1] == "bfloat16"
+    assert {n: s.layers for n, s in by.items()} == {"plain-stock": "sglang", "plain-stock-bf16": "sglang",
+                                                    "plain": "package", "entmtp": "package",
                                                     "plain-entmtp": "package",
                                                     **{n: "sglang" for n in by if n.startswith("eagle-")}}
-    assert [s.name for s in speed.systems_for(["entmtp"])] == ["plain-stock", "plain-entmtp", "entmtp"]
+    assert [s.name for s in speed.systems_for(["entmtp"])] == ["plain-stock", "plain-stock-bf16", "plain-entmtp",
+                                                               "entmtp"]
     package = {s.name: s.layers for s in speed.systems_for(["eagle-adaptive"], "package")}
-    assert package == {"plain-stock": "sglang", "plain-entmtp": "package", "eagle-adaptive": "package"}
+    assert package == {"plain-stock": "sglang", "plain-stock-bf16": "sglang", "plain-entmtp": "package",
+                       "eagle-adaptive": "package"}
     # --compare-draft: ENTMTP on another drafter's weights, in ENTMTP's wave, the folder given in full
     compared = speed.with_compare_draft(speed.systems_for(["plain", "entmtp"]), Path("some/eagle"))
-    assert [s.name for s in compared] == ["plain-stock", "plain-entmtp", "entmtp", "entmtp-compare-draft", "plain"]
-    assert compared[3].speculative == "ENTMTP" and compared[3].draft == str(Path("some/eagle").resolve())
-    assert compared[3].env == ()
+    assert [s.name for s in compared] == [*base, "entmtp", "entmtp-compare-draft", "plain"]
+    assert compared[4].speculative == "ENTMTP" and compared[4].draft == str(Path("some/eagle").resolve())
+    assert compared[4].env == ()
     other = speed.with_compare_draft([], Path("x"), Path("old-set.json"))[0]
     assert other.name == "entmtp-compare-draft"
     assert dict(other.env) == {"ENTMTP_TREE_SET": str(Path("old-set.json").resolve())}
@@ -444,10 +453,10 @@ def test_every_wave_of_the_product_benchmark_holds_both_baselines_within_at_once
     wave, and every other system runs in exactly one. plain-entmtp is plain decoding with the package on the
     entmtp_torch attention with SGLang's overlap scheduling left on: its server is started without
     --disable-overlap-schedule."""
-    from entmtp_sglang.bench.sglang_benchmark import PLAIN, PLAIN_ENTMTP, STOCK, waves
+    from entmtp_sglang.bench.sglang_benchmark import PLAIN, PLAIN_ENTMTP, STOCK, STOCK_BF16, waves
 
     speed = load_script("sglang_speed")
-    assert speed.EVERY_WAVE == (STOCK.name, PLAIN_ENTMTP.name) and speed.AT_ONCE == 4
+    assert speed.EVERY_WAVE == (STOCK.name, STOCK_BF16.name, PLAIN_ENTMTP.name) and speed.AT_ONCE == 5
     assert PLAIN_ENTMTP in speed.SYSTEMS and PLAIN in speed.SYSTEMS and PLAIN_ENTMTP.name in speed.COMPACT_SYSTEMS
     everything = [s.name for s in speed.SYSTEMS + speed.OPTIONAL]
     choices = {"default": speed.systems_for(list(speed.DEFAULT)),
@@ -461,12 +470,13 @@ def test_every_wave_of_the_product_benchmark_holds_both_baselines_within_at_once
         assert every == speed.EVERY_WAVE, what
         plan = waves(specs, speed.AT_ONCE, every)
         assert all(len(w) <= speed.AT_ONCE for w in plan), (what, plan)
-        assert all([s.name for s in w[:2]] == list(speed.EVERY_WAVE) for w in plan), (what, plan)
-        others = [s.name for w in plan for s in w[2:]]
+        assert all([s.name for s in w[:3]] == list(speed.EVERY_WAVE) for w in plan), (what, plan)
+        others = [s.name for w in plan for s in w[3:]]
         assert sorted(others) == sorted(s.name for s in specs if s.name not in speed.EVERY_WAVE), what
     assert len(waves(choices["compact"], speed.AT_ONCE, speed.EVERY_WAVE)) > 1   # ablations named: more waves
     compact = [s for s in choices["default"] if s.name in speed.COMPACT_SYSTEMS]
-    assert [s.name for s in compact] == ["plain-stock", "plain-entmtp", "entmtp", "plain"]   # one wave of four
+    assert [s.name for s in compact] == ["plain-stock", "plain-stock-bf16", "plain-entmtp", "entmtp", "plain"]
+    assert len(waves(compact, speed.AT_ONCE, speed.EVERY_WAVE)) == 1   # one wave of five
     assert (PLAIN_ENTMTP.speculative, PLAIN_ENTMTP.attention, PLAIN_ENTMTP.stock, PLAIN_ENTMTP.layers) == (
         None, "entmtp_torch", False, "package")
     args = PLAIN_ENTMTP.server(Path("/tmp"), ("--dtype", "float32")).args
@@ -499,6 +509,8 @@ def test_what_speculation_adds_divides_by_plain_on_entmtp_torch_when_the_run_has
     (median of 1.5 and 2.0 = 1.75x; through stock it would be 3.1 / 1.9 = 1.63x, the ratio of medians 31 / 19); the
     table gets a column of it, ENTMTP and EAGLE compare through it, and the headline gets a column, the ENTMTP vs
     plain column and a third table over it. It survives the run's JSON lines and the mixed stream's sums."""
+    import dataclasses
+
     from entmtp_sglang.bench.sglang_benchmark import (
         paired_over,
         rows_from_jsonl,
@@ -535,7 +547,7 @@ def test_what_speculation_adds_divides_by_plain_on_entmtp_torch_when_the_run_has
     assert [r.beside for r in back] == [r.beside for r in rows]
     mixed = speed.mixed_rows(back, (1,))
     assert {r.system: r.beside for r in mixed}["entmtp"] == {"plain-entmtp": [20.0, 16.0]}
-    systems, per_batch, adds = speed.headline(back + mixed).split("\n\n")
+    systems, per_batch, adds, said = speed.headline(back + mixed).split("\n\n")
     assert systems.splitlines()[0].endswith("| vs stock SGLang (paired) | vs plain with the package on "
                                             "`entmtp_torch` (paired) |")
     assert "| **31.0** | **3.10x (3.10x)** | **1.63x (1.75x)** |" in systems, systems
@@ -551,6 +563,13 @@ def test_what_speculation_adds_divides_by_plain_on_entmtp_torch_when_the_run_has
     assert adds.splitlines()[0].startswith("| batch (ENTMTP over plain with the package on `entmtp_torch`, paired) "
                                            "| code |")
     assert adds.splitlines()[2] == "| 1 | 1.63x (1.75x) |" + "  |" * 6 + " 1.63x (1.75x) |  |"
+    # issue 56's goals, said met or not from the paired ratio over plain-entmtp (the mixed stream at batch 1 here)
+    assert said.splitlines() == [
+        "Goals (issue 56), ENTMTP over plain with the package on `entmtp_torch`, paired, by batch size:",
+        "- mixed at least 1.0x: 1: 1.75x met", "- mixed at least 1.5x: 1: 1.75x met"]
+    assert "- mixed at least 1.5x: 1: 1.40x **NOT met**" in speed.goals(
+        [dataclasses.replace(r, beside={"plain-entmtp": [25.0, 20.0]}) if r.system == "entmtp" else r
+         for r in back + mixed])
 
 
 def test_an_older_run_without_plain_on_entmtp_torch_divides_what_speculation_adds_by_plain():

@@ -58,6 +58,7 @@ from ..calibrate.server import ServerError, SGLangServer, stop_all
 from ..tasks import load_prompts
 
 FLOAT32 = ("--dtype", "float32")  # float32 keeps near-tied argmaxes from flipping between batch shapes
+BFLOAT16 = ("--dtype", "bfloat16")   # after the run's --dtype among a server's arguments: the last one counts
 STOCK_PLUGINS = "entmtp_cpu_ops"   # SGLANG_PLUGINS for stock SGLang: the sgl_kernel CPU ops only (module docstring)
 STOCK_ENV = (("SGLANG_PLUGINS", STOCK_PLUGINS),)
 # SGLang's own CPU layers in a process that loads the plugin: sglang/cpu/linear.py hooks nothing when the machine's
@@ -103,6 +104,13 @@ class SystemSpec:
                 else "package")
 
     @property
+    def dtype(self) -> str | None:
+        """The dtype this server is told to serve in its own arguments (the last `--dtype` there), or None: the
+        run's (`run_workloads`' `dtype`)."""
+        at = [i for i, a in enumerate(self.args) if a == "--dtype"]
+        return self.args[at[-1] + 1] if at and at[-1] + 1 < len(self.args) else None
+
+    @property
     def static_tree_nodes(self) -> int | None:
         """Tokens the target verifies per step when the tree is fixed (EAGLE static); None otherwise."""
         return self.draft_tokens if self.speculative == "EAGLE" and not self.adaptive else None
@@ -113,6 +121,9 @@ PLAIN = SystemSpec("plain", None, attention="torch_native")   # plain SGLang wit
 # adds (the same layers and attention as ENTMTP; module docstring)
 PLAIN_ENTMTP = SystemSpec("plain-entmtp", None, attention="entmtp_torch")
 STOCK = SystemSpec("plain-stock", None, attention="torch_native", env=STOCK_ENV)   # stock SGLang (module docstring)
+# stock SGLang in bfloat16, the dtype SGLang serves SmolLM2 in (`--dtype auto`) and the one a CPU user would run;
+# its outputs are its own (a bfloat16 matmul rounds differently): compared with nothing, and nothing with them
+STOCK_BF16 = SystemSpec("plain-stock-bf16", None, attention="torch_native", env=STOCK_ENV, args=BFLOAT16)
 EAGLE_GRID = (SystemSpec("eagle-s1-k1-n2", "EAGLE", 1, 1, 2),
               SystemSpec("eagle-s2-k1-n3", "EAGLE", 2, 1, 3),
               SystemSpec("eagle-s3-k1-n4", "EAGLE", 3, 1, 4),
@@ -477,6 +488,8 @@ def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: in
         if labels is not None and m.get("entmtp_trees"):
             row.trees_by_label.setdefault(labels[i], collections.Counter()).update(m["entmtp_trees"])
     ids = [o["output_ids"] for o in outs]
+    if getattr(spec, "dtype", None) is not None:   # a server in a dtype of its own: its outputs are its own
+        return row
     key, is_stock = (task, batch), getattr(spec, "stock", False)
     plain, stock_plain = spec.speculative is None and not is_stock, spec.speculative is None and is_stock
     if plain:
