@@ -40,23 +40,27 @@ SYSTEMS' order: ENTMTP with adaptive first, then the static grid two at a time, 
 waves, 17 server runs, by default; `--systems entmtp,eagle-adaptive,eagle-s1-k1-n2,plain` runs two waves). Every
 ratio the README uses stays computable and paired, as each needs only a system and the baselines of its wave: over
 stock in either dtype (every system), over `plain-entmtp` (ENTMTP, EAGLE, adaptive, `plain`), and ENTMTP against
-EAGLE through `plain-entmtp`. A second table gives ENTMTP's paired ratio over the best static EAGLE setting's and adaptive's
-(each over the `plain-entmtp` run beside it; over stock in older runs).
+EAGLE through `plain-entmtp`. A second table gives ENTMTP's paired ratio over the best static EAGLE setting's and
+adaptive's (each over the `plain-entmtp` run beside it; over stock in older runs).
 
-Workloads (held-out prompts through the model's chat template, greedy, float32): code, chat, prose, JSON under a
-schema (the json task's schemas), tool calls under a schema (bench/workloads/tool_calls.json), each at batch 1
-and 4; the mixed stream (all of them, task after task) at batch 8 and 16, and at batch 1 and 4 as the sum of the
-five tasks' runs (the same requests: tokens over seconds added up); the mixed batch (JSON, tool calls, code and chat
-taken in turn, so that every batch in flight mixes them, as agent traffic does) at batch 4, 8 and 16, with a table of
-the trees each kind of request took inside it (ENTMTP picks a tree per request). The two schema workloads run again
-in the compact JSON layout (`json-compact`, `tool-call-compact`: stock in both dtypes, both plains and ENTMTP, one
-wave, restarted with SGLang's --constrained-json-disable-any-whitespace, where the grammar alone decides much more of the text; `--json-layouts`).
-The forced-spans column: the share of the output tokens that came from forced spans (text the grammar decides,
-drafted below ENTMTP's trees), their acceptance and tokens verified per span; after "repeats:", the same for lookup
-spans (the request's own text repeating where the grammar decides nothing, ENTMTP_LOOKUP_SPANS). The servers of a
-wave are measured interleaved (entmtp_sglang/bench/sglang_benchmark.py): stock first, then stock in bfloat16 and
-`plain-entmtp`, then the others; tokens/s is the median over repeats, and every output is compared with plain decoding's (with this package:
-`plain-entmtp`'s) and stock SGLang's.
+Workloads (through the model's chat template, greedy, float32): code, chat, prose, JSON under a schema, tool calls
+under a schema, each at batch 1 and 4; the mixed stream (all of them, task after task) at batch 8 and 16, and at
+batch 1 and 4 as the sum of the five tasks' runs (the same requests: tokens over seconds added up); the mixed batch
+(JSON, tool calls, code and chat taken in turn, so that every batch in flight mixes them, as agent traffic does) at
+batch 4, 8 and 16, with a table of the trees each kind of request took inside it (ENTMTP picks a tree per request).
+The prompts (`--prompts`): the measurement set by default (bench/workloads/measure.json, written for measuring and
+never used to tune anything), or the development set's held-out split (`dev`: the task prompts and
+bench/workloads/tool_calls.json, which runs before 2026-12-07 measured). The two schema workloads run again in the
+compact JSON layout (`json-compact`, `tool-call-compact`: stock in both dtypes, both plains and ENTMTP, one wave,
+restarted with SGLang's --constrained-json-disable-any-whitespace, where the grammar alone decides much more of the
+text; `--json-layouts`). The forced-spans column: the share of the output tokens that came from forced spans (text
+the grammar decides, drafted below ENTMTP's trees), their acceptance and tokens verified per span; after
+"repeats:", the same for lookup spans (the request's own text repeating where the grammar decides nothing,
+ENTMTP_LOOKUP_SPANS). The servers of a wave are measured interleaved (entmtp_sglang/bench/sglang_benchmark.py),
+each repeat and workload in a new seeded random order (`--order fixed`: stock first, then stock in bfloat16 and
+`plain-entmtp`, then the others), each pass from an empty radix cache (`--no-flush`: a repeat reuses the prefill
+of the same prompts); tokens/s is the median over repeats, and every output is compared with plain decoding's (with
+this package: `plain-entmtp`'s) and stock SGLang's.
 """
 
 from __future__ import annotations
@@ -80,11 +84,13 @@ from entmtp_sglang.bench.sglang_benchmark import (
     SystemSpec,
     baseline_of,
     best_paired,
+    bootstrap_interval,
     machine,
     meta_from_jsonl,
     over_best,
     paired_over,
     paired_ratio,
+    paired_ratios,
     rows_from_jsonl,
     run_workloads,
     sglang_layers,
@@ -100,6 +106,10 @@ from entmtp_sglang.tasks import load_prompts, load_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 TOOLS = ROOT / "bench" / "workloads" / "tool_calls.json"
+# the measurement prompt set (issue 58): written for measuring only, never used to tune anything; `--prompts dev`
+# takes the development set instead (the held-out test split of entmtp_sglang/data/prompts and TOOLS)
+MEASURE = ROOT / "bench" / "workloads" / "measure.json"
+PROMPT_SETS = ("measure", "dev")
 ENTMTP = SystemSpec("entmtp", "ENTMTP")
 # SGLang's EAGLE and --speculative-adaptive as close to stock as they run on a CPU (module docstring)
 EAGLE_SGLANG_LAYERS = tuple(sglang_layers(s) for s in (ADAPTIVE, *EAGLE_GRID))
@@ -146,8 +156,8 @@ TASKS = ("code", "chat", "prose", "json", "tool-call")
 # server flag: a second set of servers), on these systems where they run
 COMPACT = "--constrained-json-disable-any-whitespace"
 COMPACT_TASKS = ("json", "tool-call")
-COMPACT_SYSTEMS = (STOCK.name, STOCK_BF16.name, PLAIN_ENTMTP.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name, ENTMTP_NO_FORCED.name,
-                   ENTMTP_NO_LOOKUP.name, ENTMTP_NO_REST_SPANS.name, ENTMTP_NO_SPAN_ENDS.name)
+COMPACT_SYSTEMS = (STOCK.name, STOCK_BF16.name, PLAIN_ENTMTP.name, PLAIN.name, ENTMTP.name, ENTMTP_EAGLE3.name,
+                   ENTMTP_NO_FORCED.name, ENTMTP_NO_LOOKUP.name, ENTMTP_NO_REST_SPANS.name, ENTMTP_NO_SPAN_ENDS.name)
 # the mixed batch: agent traffic, every batch in flight mixing schema extraction, tool calls, code and chat
 MIXED_BATCH_TASKS = ("json", "tool-call", "code", "chat")
 
@@ -197,8 +207,13 @@ def sglang_serves(schema: dict) -> bool:
     return True
 
 
-def workloads(tokenizer, per_task: int, max_new: int) -> dict[str, list[dict]]:
-    """task -> /generate payloads (held-out test split; the JSON prompts under their schemas)."""
+def workloads(tokenizer, per_task: int, max_new: int, prompts: str = "dev") -> dict[str, list[dict]]:
+    """task -> /generate payloads, the JSON prompts under their schemas: from the measurement set (`prompts=
+    "measure"`, MEASURE) or the development set's held-out test split ("dev")."""
+    if prompts == "measure":
+        return measurement_workloads(tokenizer, per_task, max_new)
+    if prompts != "dev":
+        raise ValueError(f"prompts must be one of {', '.join(PROMPT_SETS)}, got {prompts!r}")
     out = {}
     for task in ("code", "chat", "prose"):
         items = load_prompts(task, "test", per_task)
@@ -210,6 +225,31 @@ def workloads(tokenizer, per_task: int, max_new: int) -> dict[str, list[dict]]:
                            load_schema(it)) for it in items]
     out["tool-call"] = [payload(chat(tokenizer, call.user, call.system), max_new, call.schema)
                         for call in tool_calls(TOOLS, per_task)]
+    return out
+
+
+def measurement_workloads(tokenizer, per_task: int, max_new: int, path: Path = MEASURE) -> dict[str, list[dict]]:
+    """task -> /generate payloads from the measurement set (`path`): its first `per_task` items of each workload,
+    through the model's chat template. Refuses a set with fewer items than asked or a schema SGLang does not serve
+    (a benchmark that silently measured fewer prompts would not say what it says)."""
+    spec = json.loads(Path(path).read_text())
+    out = {}
+    for task in ("code", "chat", "prose", "json"):
+        items = spec.get(task) or []
+        if len(items) < per_task:
+            raise ValueError(f"{path}: {task} has {len(items)} prompts, {per_task} asked (--per-task)")
+        items = items[:per_task]
+        if task != "json":
+            out[task] = [payload(chat(tokenizer, text), max_new) for text in items]
+            continue
+        refused = [i for i, it in enumerate(items) if not sglang_serves(it["schema"])]
+        if refused:
+            raise ValueError(f"{path}: SGLang does not serve the schema of json item(s) {refused}")
+        out[task] = [payload(chat(tokenizer, it["prompt"]), max_new, it["schema"]) for it in items]
+    calls = tool_calls(spec["tool_calls"], per_task)
+    if len(calls) < per_task:
+        raise ValueError(f"{path}: tool_calls has {len(calls)} requests, {per_task} asked (--per-task)")
+    out["tool-call"] = [payload(chat(tokenizer, call.user, call.system), max_new, call.schema) for call in calls]
     return out
 
 
@@ -512,10 +552,16 @@ def goals(rows: list[Row]) -> str:
             if r is None or p is None:
                 continue
             x = paired_over(rows, r, PLAIN_ENTMTP.name) or r.tokens_per_s / p.tokens_per_s
-            cells.append(f"{b}: {x:.2f}x {'met' if x >= least else '**NOT met**'}")
+            ratios = paired_ratios(r, p) if PLAIN_ENTMTP.name in r.beside else None
+            spread = ""
+            if ratios and len(ratios) > 1:
+                lo, hi = bootstrap_interval(ratios)
+                spread = f" [{lo:.2f}-{hi:.2f}]"
+            cells.append(f"{b}: {x:.2f}x{spread} {'met' if x >= least else '**NOT met**'}")
         if cells:
             said.append(f"- {task} at least {least:.1f}x: " + ", ".join(cells))
-    return ("Goals (issue 56), ENTMTP over plain with the package on `entmtp_torch`, paired, by batch size:\n"
+    return ("Goals (issue 56), ENTMTP over plain with the package on `entmtp_torch`, paired (the median of the "
+            "repeats' ratios; in brackets a 95% bootstrap interval over the repeats), by batch size:\n"
             + "\n".join(said)) if said else ""
 
 
@@ -526,6 +572,16 @@ def _ints(text: str) -> tuple[int, ...]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2", help="model directory or alias (default: smollm2)")
+    ap.add_argument("--prompts", choices=PROMPT_SETS, default="measure", help="the prompt set: measure (default: "
+                    "bench/workloads/measure.json, written for measuring and never used to tune anything) or dev (the "
+                    "development set's held-out split, which runs before 2026-12-07 measured)")
+    ap.add_argument("--flush", action=argparse.BooleanOptionalAction, default=True, help="empty each server's radix "
+                    "cache before each measured pass (default: on; --no-flush lets a repeat reuse the prefill of the "
+                    "same prompts, as runs before 2026-12-07 did)")
+    ap.add_argument("--order", choices=("shuffled", "fixed"), default="shuffled", help="the order of a wave's servers "
+                    "in each repeat and workload: shuffled (default, seeded by --seed) or fixed (stock first, then the "
+                    "other baselines, then the rest, as runs before 2026-12-07 measured)")
+    ap.add_argument("--seed", type=int, default=0, help="the seed of the shuffled order (default 0)")
     ap.add_argument("--per-task", type=int, default=4, help="prompts per task (default 4; the mixed stream at batch "
                     "16 needs 16)")
     ap.add_argument("--max-new-tokens", type=int, default=32)
@@ -598,7 +654,10 @@ def main() -> None:
     elif args.compare_tree_set is not None:
         ap.error("--compare-tree-set goes with --compare-draft")
     systems = [dataclasses.replace(s, args=s.args + kv) for s in specs]
-    tasks = workloads(AutoTokenizer.from_pretrained(str(model)), args.per_task, args.max_new_tokens)
+    try:
+        tasks = workloads(AutoTokenizer.from_pretrained(str(model)), args.per_task, args.max_new_tokens, args.prompts)
+    except ValueError as e:
+        ap.error(str(e))
     work = {task: (items, tuple(args.batches)) for task, items in tasks.items() if task in chosen and args.batches
             and ("free" in layouts or task not in COMPACT_TASKS)}
     compact_work = {f"{task}-compact": (tasks[task], tuple(args.batches)) for task in COMPACT_TASKS
@@ -616,6 +675,8 @@ def main() -> None:
     every = tuple(n for n in EVERY_WAVE if n in run_names)
     t0 = time.time()
     config = {"model": model.name, "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
+              "prompts": args.prompts, "flush": args.flush, "order": args.order,
+              "seed": args.seed if args.order == "shuffled" else None,
               "systems": [s.name for s in systems],
               "workloads": {k: list(v[1]) for k, v in {**work, **compact_work}.items()},
               "compact_systems": [s.name for s in compact_systems] if compact_work else [],
@@ -627,6 +688,7 @@ def main() -> None:
               "drafts": {s.name: s.draft for s in systems if s.speculative == "ENTMTP"}}
     summed = tuple(b for b in args.batches if "mixed" not in work or b not in work["mixed"][1])
 
+    conditions = {"flush": args.flush, "shuffle_seed": args.seed if args.order == "shuffled" else None}
     done_rows: list = []   # the free layout's rows once its pass has finished (the compact pass runs after it)
 
     def save(rows, done):
@@ -639,12 +701,12 @@ def main() -> None:
     rows = []
     if work:
         rows = run_workloads(systems, work, args.repeats, ROOT / "runs" / "sglang-speed", on_repeat=save, model=model,
-                             starts_at_once=2, at_once=args.at_once, baseline=STOCK.name, every=every)
+                             starts_at_once=2, at_once=args.at_once, baseline=STOCK.name, every=every, **conditions)
     if compact_work:   # the schema workloads again, every server started in the compact JSON layout
         done_rows[:] = rows
         rows = rows + run_workloads(compact_systems, compact_work, args.repeats, ROOT / "runs" / "sglang-speed-compact",
                                     on_repeat=save, model=model, starts_at_once=2, at_once=args.at_once,
-                                    baseline=STOCK.name, every=every)
+                                    baseline=STOCK.name, every=every, **conditions)
         done_rows.clear()
     save(rows, args.repeats)
     print(tables(rows + mixed_rows(rows, summed), {**config, **machine()}))

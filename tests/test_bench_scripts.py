@@ -564,10 +564,10 @@ def test_what_speculation_adds_divides_by_plain_on_entmtp_torch_when_the_run_has
                                            "| code |")
     assert adds.splitlines()[2] == "| 1 | 1.63x (1.75x) |" + "  |" * 6 + " 1.63x (1.75x) |  |"
     # issue 56's goals, said met or not from the paired ratio over plain-entmtp (the mixed stream at batch 1 here)
-    assert said.splitlines() == [
-        "Goals (issue 56), ENTMTP over plain with the package on `entmtp_torch`, paired, by batch size:",
-        "- mixed at least 1.0x: 1: 1.75x met", "- mixed at least 1.5x: 1: 1.75x met"]
-    assert "- mixed at least 1.5x: 1: 1.40x **NOT met**" in speed.goals(
+    assert said.splitlines()[1:] == ["- mixed at least 1.0x: 1: 1.75x [1.50-2.00] met",
+                                     "- mixed at least 1.5x: 1: 1.75x [1.50-2.00] met"]
+    assert said.startswith("Goals (issue 56), ENTMTP over plain with the package on `entmtp_torch`, paired")
+    assert "- mixed at least 1.5x: 1: 1.40x [1.20-1.60] **NOT met**" in speed.goals(
         [dataclasses.replace(r, beside={"plain-entmtp": [25.0, 20.0]}) if r.system == "entmtp" else r
          for r in back + mixed])
 
@@ -645,3 +645,70 @@ def test_step_profile_checks_the_smallest_tree_against_plain_on_entmtp_torch_at_
     # an older run (plain on torch_native) has no such goal line
     old = [dict(r, tree="plain") if r["tree"] == "plain-entmtp" else r for r in rows]
     assert not any(ln.startswith("Goal against") for ln in prof.table(old, {}))
+
+
+def test_the_measurement_prompt_set_is_new_served_and_large_enough():
+    """bench/workloads/measure.json (issue 58): at least 8 items per workload, none of them in the development set
+    (the prompts the drafters, tree sets and thresholds were tuned on, and the development tool calls), every schema
+    one SGLang serves, every tool call naming a tool the set defines; the benchmark reads it by default and refuses
+    to measure fewer prompts than asked."""
+    import json
+
+    from entmtp_sglang.bench.workload import tool_calls
+    from entmtp_sglang.tasks import TASKS, load_prompts
+
+    speed = load_script("sglang_speed")
+    spec = json.loads(speed.MEASURE.read_text())
+    texts = {task: spec[task] for task in ("code", "chat", "prose")}
+    texts["json"] = [it["prompt"] for it in spec["json"]]
+    texts["tool-call"] = [r["user"] for r in spec["tool_calls"]["requests"]]
+    assert all(len(v) >= 8 and len(set(v)) == len(v) for v in texts.values()), {k: len(v) for k, v in texts.items()}
+    dev = {it["prompt"] for t in TASKS for it in load_prompts(t)}
+    dev |= {r["user"] for r in json.loads(speed.TOOLS.read_text())["requests"]}
+    new = [t for v in texts.values() for t in v]
+    assert not [t for t in new if any(t in d or d in t for d in dev if len(d) > 20)]
+    assert all(speed.sglang_serves(it["schema"]) for it in spec["json"])
+    assert len(tool_calls(spec["tool_calls"])) == len(spec["tool_calls"]["requests"])
+    assert speed.PROMPT_SETS[0] == "measure"
+    with pytest.raises(ValueError, match="prompts must be one of"):
+        speed.workloads(None, 1, 8, "other")
+
+
+def test_the_measurement_set_becomes_payloads_under_the_chat_template():
+    """Each workload's first `per_task` items through the chat template, greedy, `max_new_tokens`; the JSON and tool
+    call prompts under their schemas; more prompts than the set has is refused."""
+    import json
+
+    speed = load_script("sglang_speed")
+
+    class Template:   # the chat template's shape, without a tokenizer
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+            return "|".join(f"{m['role']}:{m['content']}" for m in messages) + "|assistant:"
+
+    w = speed.workloads(Template(), 8, 96, "measure")
+    assert sorted(w) == ["chat", "code", "json", "prose", "tool-call"] and all(len(v) == 8 for v in w.values())
+    spec = json.loads(speed.MEASURE.read_text())
+    assert w["code"][0]["text"] == f"user:{spec['code'][0]}|assistant:"
+    assert w["code"][0]["sampling_params"] == {"temperature": 0.0, "max_new_tokens": 96}
+    assert json.loads(w["json"][3]["sampling_params"]["json_schema"]) == spec["json"][3]["schema"]
+    call = w["tool-call"][0]
+    assert call["text"].startswith("system:You can call one tool, convert_currency")
+    assert json.loads(call["sampling_params"]["json_schema"])["properties"]["name"] == {"type": "string",
+                                                                                          "enum": ["convert_currency"]}
+    with pytest.raises(ValueError, match="asked"):
+        speed.workloads(Template(), 99, 96, "measure")
+
+
+def test_the_bootstrap_interval_of_paired_ratios_is_seeded_and_within_their_range():
+    from entmtp_sglang.bench.sglang_benchmark import bootstrap_interval
+
+    ratios = [1.1, 1.3, 1.2, 0.9, 1.25]
+    lo, hi = bootstrap_interval(ratios)
+    assert min(ratios) <= lo <= 1.2 <= hi <= max(ratios)
+    assert bootstrap_interval(ratios) == (lo, hi)            # seeded
+    assert bootstrap_interval([1.5, 1.5, 1.5]) == (1.5, 1.5)
+    for bad in ([], ):
+        with pytest.raises(ValueError, match="no ratios"):
+            bootstrap_interval(bad)
+    with pytest.raises(ValueError, match="level"):
+        bootstrap_interval(ratios, level=1.0)

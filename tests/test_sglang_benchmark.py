@@ -99,6 +99,9 @@ class _Server:
         self.running = False
         _Server.up.discard(self.name)
 
+    def flush_cache(self):
+        _Server.seen.append((self.name, "flush"))
+
 
 class _Spec:
     def __init__(self, name, speculative=None, differ=False, stock=False):
@@ -269,6 +272,40 @@ def test_stock_and_plain_stay_up_in_every_wave_and_stock_is_measured_first(tmp_p
     assert (by["s0"].equal_to_plain, by["s0"].equal_to_stock) == (0, 2)
     with pytest.raises(ValueError, match="baseline 'nope'"):
         b.run_workloads(systems, FAKE_WORK, repeats=1, log_dir=tmp_path, progress=lambda *a: None, baseline="nope")
+
+
+def test_a_shuffled_run_measures_each_round_in_a_new_order_from_an_empty_cache_and_still_compares_every_output(
+        tmp_path):
+    """shuffle_seed: the servers of a wave run in a seeded random order per repeat and workload (the same order for
+    the same seed); flush: each measured pass starts from an empty radix cache; outputs are compared once the
+    round has run, so a system measured before plain in its round is still compared with plain's outputs, and the
+    paired ratios pair runs of the same round."""
+    stock, plain = _Spec("plain-stock", stock=True), _Spec("plain")
+    others = [_Spec("s0", "EAGLE"), _Spec("s1", "EAGLE", differ=True)]
+
+    def run(seed):
+        _Server.up.clear()
+        _Server.seen.clear()
+        rows = b.run_workloads([stock, plain, *others], FAKE_WORK, repeats=4, log_dir=tmp_path,
+                               progress=lambda *a: None, at_once=4, every=("plain-stock", "plain"), flush=True,
+                               shuffle_seed=seed)
+        events = list(_Server.seen)
+        return rows, events
+
+    rows, events = run(3)
+    flushes = [i for i, (_, what) in enumerate(events) if what == "flush"]
+    assert len(flushes) == 4 * 4                                   # 4 servers x 4 repeats, one pass each
+    assert all(events[i + 1][0] == events[i][0] and events[i + 1][1] != "flush" for i in flushes)
+    orders = [tuple(events[i][0] for i in flushes[r * 4:(r + 1) * 4]) for r in range(4)]
+    assert len(set(orders)) > 1 and all(sorted(o) == ["plain", "plain-stock", "s0", "s1"] for o in orders)
+    assert orders == [tuple(events[i][0] for i in [j for j, (_, w) in enumerate(run(3)[1]) if w == "flush"]
+                            [r * 4:(r + 1) * 4]) for r in range(4)]   # seeded: the same orders again
+    assert any(o.index("s0") < o.index("plain") for o in orders)   # some round measured s0 before plain
+    by = {r.system: r for r in rows}
+    assert (by["s0"].equal_to_plain, by["s0"].equal_to_stock) == (2, 2)
+    assert (by["s1"].equal_to_plain, by["plain"].equal_to_stock) == (0, 2)
+    assert by["s0"].plain_repeat_tokens_per_s == by["plain-stock"].repeat_tokens_per_s   # stock of each round
+    assert by["s0"].beside["plain"] == by["plain"].repeat_tokens_per_s
 
 
 # -- stock SGLang itself -------------------------------------------------------------------------------

@@ -48,6 +48,7 @@ import concurrent.futures as cf
 import gzip
 import json
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -390,7 +391,8 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
                   log_dir: Path = Path("runs/sglang-bench"), dtype: str = "float32", progress=print,
                   on_repeat=None, model: Path | None = None, starts_at_once: int | None = None,
                   at_once: int | None = None, baseline: str | None = None,
-                  every: tuple[str, ...] | None = None) -> list[Row]:
+                  every: tuple[str, ...] | None = None, flush: bool = False,
+                  shuffle_seed: int | None = None) -> list[Row]:
     """`run` over named workloads: task -> (/generate payloads, batch sizes). For each repeat, each task, each
     batch size, each system in turn, the baseline first; every output is compared with plain decoding's with this
     package (`equal_to_plain`) and with stock SGLang's (`equal_to_stock`) on the same payloads, where the run has
@@ -404,7 +406,14 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
     and repeat go on each later system's row too (`Row.beside`), so a ratio over them pairs the same way. Plain
     decoding with this package: the first such system measured is every output's reference, and any other is
     compared with it (`measure`). `on_repeat(rows, done)` after each repeat of each wave (`done`: repeats finished
-    over all waves)."""
+    over all waves).
+
+    `flush`: empty each server's radix cache before each measured pass, so no pass reuses an earlier one's prefill
+    (a repeat of the same prompts would otherwise run from the cache). `shuffle_seed`: the servers of a wave are
+    measured in a new random order in each repeat and workload (seeded: the order is the run's), instead of the
+    baseline first; the outputs are compared once the round has run, the references first, so every row is still
+    compared with plain's and stock's of the same round or an earlier one. A paired ratio still pairs the runs of
+    one round (`Row.beside`, `plain_repeat_tokens_per_s`)."""
     systems = list(systems)
     labels = {task: (w[2] if len(w) > 2 else None) for task, w in workloads.items()}
     baseline = baseline or default_baseline(systems)
@@ -429,23 +438,35 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
             pool.start()
             if len(plan) > 1:
                 progress(f"wave {w + 1}/{len(plan)}: {', '.join(s.name for s in wave)}")
-            # the baseline first, then the others of every wave, then the rest, each as given
+            # the baseline first, then the others of every wave, then the rest, each as given (the order outputs
+            # are compared in; measured in it too unless shuffled)
             order = sorted(wave, key=lambda s: (s.name != baseline, s.name not in fixed))
             for rep in range(repeats):
-                for task, b in keys:
-                    base_tps, fixed_tps = None, {}
+                for t, (task, b) in enumerate(keys):
+                    timed = order
+                    if shuffle_seed is not None:
+                        timed = list(order)
+                        random.Random(f"{shuffle_seed}/{w}/{rep}/{t}").shuffle(timed)
+                    done = {}
+                    for spec in timed:
+                        if flush:
+                            pool[spec.name].flush_cache()
+                        done[spec.name] = timed_pass(pool[spec.name], spec, workloads[task][0], b, task, labels[task])
+                    base_tps = done[baseline][0].tokens_per_s if baseline in done else None
+                    fixed_tps = {n: done[n][0].tokens_per_s for n in (s.name for s in order) if n in fixed}
                     for spec in order:
-                        row = measure(pool[spec.name], spec, workloads[task][0], b, reference, task, stock,
-                                      labels[task], owners)
+                        row, ids = done[spec.name]
+                        compare(spec, row, ids, reference, stock, owners)
                         runs[(spec.name, task, b)].append(row)
-                        if spec.name == baseline:
-                            base_tps = row.tokens_per_s
-                        elif base_tps is not None:
+                        if spec.name != baseline and base_tps is not None:
                             partners[(spec.name, task, b)].append(round(base_tps, 2))
-                        for name, tps in fixed_tps.items():
-                            beside[(spec.name, task, b)].setdefault(name, []).append(round(tps, 2))
-                        if spec.name in fixed:
-                            fixed_tps[spec.name] = row.tokens_per_s
+                        # the others of every wave: their runs of this round beside each system after them in
+                        # the order (the baseline none, one of them those before it)
+                        ahead = [] if spec.name == baseline else list(fixed_tps)
+                        if spec.name in ahead:
+                            ahead = ahead[:ahead.index(spec.name)]
+                        for name in ahead:
+                            beside[(spec.name, task, b)].setdefault(name, []).append(round(fixed_tps[name], 2))
                         progress(f"repeat {rep} {task or 'all'} {spec.name} batch {b}: {row.tokens_per_s:.1f} tok/s, "
                                  f"accept {row.mean_accept or 0:.2f}, equal to plain {row.equal_to_plain}, to stock "
                                  f"{row.equal_to_stock} of {row.requests}")
@@ -467,6 +488,15 @@ def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: in
     each reference, and another plain system with this package (PLAIN on torch_native beside PLAIN_ENTMTP) is then
     compared with it too, so the two plain servers must agree; without `owners` no plain system is compared with
     the reference. `labels` (one per payload): the trees each label's requests took (`Row.trees_by_label`)."""
+    row, ids = timed_pass(srv, spec, payloads, batch, task, labels)
+    compare(spec, row, ids, reference, stock, owners)
+    return row
+
+
+def timed_pass(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: int, task: str = "",
+               labels: list[str] | None = None) -> tuple[Row, list]:
+    """`payloads` through `srv` with `batch` requests in flight: the Row (no comparison yet) and the outputs' token
+    ids (`measure`, or `compare` once the references have run)."""
     if labels is not None and len(labels) != len(payloads):
         raise ValueError(f"{len(labels)} labels for {len(payloads)} payloads")
     outs, secs = concurrent_generate(srv, payloads, batch)
@@ -487,9 +517,16 @@ def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: in
                                     total[2] + sum(int(a) for _, a in spans)])
         if labels is not None and m.get("entmtp_trees"):
             row.trees_by_label.setdefault(labels[i], collections.Counter()).update(m["entmtp_trees"])
-    ids = [o["output_ids"] for o in outs]
+    return row, [o["output_ids"] for o in outs]
+
+
+def compare(spec: SystemSpec, row: Row, ids: list, reference: dict[tuple[str, int], list],
+            stock: dict[tuple[str, int], list] | None = None, owners: dict[tuple[str, int], str] | None = None) -> None:
+    """`row`'s outputs (`ids`) against the references of its task and batch, and into them where `spec` makes one
+    (`measure`'s docstring). Called in an order that puts the references first (`run_workloads`)."""
     if getattr(spec, "dtype", None) is not None:   # a server in a dtype of its own: its outputs are its own
-        return row
+        return
+    task, batch = row.task, row.batch
     key, is_stock = (task, batch), getattr(spec, "stock", False)
     plain, stock_plain = spec.speculative is None and not is_stock, spec.speculative is None and is_stock
     if plain:
@@ -502,7 +539,6 @@ def measure(srv: SGLangServer, spec: SystemSpec, payloads: list[dict], batch: in
         row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[key]))
     if stock is not None and key in stock and not stock_plain:
         row.equal_to_stock = sum(x == y for x, y in zip(ids, stock[key]))
-    return row
 
 
 def medians(runs, systems, keys, partners=None, beside=None) -> list[Row]:
@@ -542,17 +578,40 @@ def machine() -> dict:
             "torch_threads": torch.get_num_threads(), "python": platform.python_version(), "commit": commit}
 
 
+def paired_ratios(row: Row, plain: Row) -> list[float] | None:
+    """Each repeat's row / baseline, paired as `paired_ratio` pairs them; None where it has no pairing."""
+    a = row.repeat_tokens_per_s
+    b = row.beside.get(plain.system) or row.plain_repeat_tokens_per_s or plain.repeat_tokens_per_s
+    if not a or len(a) != len(b) or not all(b):
+        return None
+    return [x / y for x, y in zip(a, b)]
+
+
+def bootstrap_interval(ratios: list[float], level: float = 0.95, draws: int = 2000,
+                       seed: int = 0) -> tuple[float, float]:
+    """A percentile bootstrap interval of the median of `ratios` (the paired per-repeat ratios): the median of
+    `draws` resamples with replacement, seeded (the same ratios give the same interval). With three repeats it
+    spans little more than their range: it says how far the repeats lie apart, not more."""
+    if not ratios:
+        raise ValueError("no ratios to resample")
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    rng = random.Random(seed)
+    n = len(ratios)
+    meds = sorted(statistics.median(rng.choices(ratios, k=n)) for _ in range(draws))
+    lo = meds[int((1.0 - level) / 2 * (draws - 1))]
+    hi = meds[int((1.0 + level) / 2 * (draws - 1))]
+    return lo, hi
+
+
 def paired_ratio(row: Row, plain: Row) -> float | None:
     """The median over repeats of row / baseline within each repeat (systems run interleaved, so a repeat's drift of
     the shared machine hits both); the baseline's tokens/s beside each repeat when the row carries them (`waves`:
     `Row.beside` for a system of every wave other than the run's baseline, else `plain_repeat_tokens_per_s`), else
     the baseline row's (`plain`) own repeats. None without the same number of repeats on both sides. `plain` is the
     run's baseline or a system of every wave (`Row.beside`); for any other, `paired_over`."""
-    a = row.repeat_tokens_per_s
-    b = row.beside.get(plain.system) or row.plain_repeat_tokens_per_s or plain.repeat_tokens_per_s
-    if not a or len(a) != len(b) or not all(b):
-        return None
-    return statistics.median(x / y for x, y in zip(a, b))
+    ratios = paired_ratios(row, plain)
+    return None if ratios is None else statistics.median(ratios)
 
 
 def baseline_of(rows: list[Row]) -> str:

@@ -59,10 +59,11 @@ class ToolCall:
     schema: dict
 
 
-def tool_calls(spec_path: Path, limit: int | None = None) -> list[ToolCall]:
+def tool_calls(spec_path: Path | dict, limit: int | None = None) -> list[ToolCall]:
     """The requests of a tool-call spec (bench/workloads/tool_calls.json: `tools` by name with a description and
-    JSON-schema `parameters`, `requests` naming a tool and the user's turn), in order, at most `limit`."""
-    spec = json.loads(Path(spec_path).read_text())
+    JSON-schema `parameters`, `requests` naming a tool and the user's turn), in order, at most `limit`. `spec_path`:
+    the file, or the spec itself (a dict: bench/workloads/measure.json's `tool_calls`)."""
+    spec = spec_path if isinstance(spec_path, dict) else json.loads(Path(spec_path).read_text())
     out = []
     for req in spec["requests"][:limit]:
         name = req["tool"]

@@ -211,8 +211,8 @@ class EntMtpWorker(EAGLEWorkerV2):
         choice, rest, h = None, False, float("nan")
         observer = self.timing.observer
         recording = observer is not None
-        mode = step_mode(self.ragged, bool(self.shape_index), recording,
-                         [self._pin(r) for r in reqs] if recording else ())
+        pins = [self._pin(r) for r in reqs]   # each request's pinned tree, if any (read once a step)
+        mode = step_mode(self.ragged, bool(self.shape_index), recording, pins if recording else ())
         try:
             # penalties: one token per step keeps them exact; ragged, such a request rests as a row of the step
             forced = [needs_plain_decoding([r]) for r in reqs]
@@ -223,13 +223,17 @@ class EntMtpWorker(EAGLEWorkerV2):
                                       self.req_to_token_pool.req_to_token, self._record_signals)
             if rule.rest:
                 raise _Rest
+            # the guard first (timing.py, policy/guard.py): where speculation delivered less than resting at this
+            # batch size it rests the step before the policy spends its time on a choice that would not run
+            if not any(pins) and self.timing.force_rest(len(reqs)):
+                raise _Rest
             self.drafter.grammar_signals(reqs, self.grammar_drafting and not getattr(batch, "enable_overlap", True))
             unknown = least_predictable(self.signal)
             probe = observer.probe_tree(self.telemetry.steps) if recording else None
             rest_name = self.plans[self._rest_tree].tree.name if self._rest_tree is not None else None
             inputs = [RequestInput(r.rid, unknown if st.signal is None else st.signal, st.probs, self._room(r),
-                                   rest_name if rests else self._pin(r) or probe)
-                      for r, st, rests in zip(reqs, states, forced)]
+                                   rest_name if rests else pin or probe)
+                      for r, st, rests, pin in zip(reqs, states, forced, pins)]
             known = [x.signal for x in inputs if x.signal != unknown]
             h = sum(known) / len(known) if known else unknown
             choice = choose_trees(self.controller, inputs, mode, self._shapes, self._shape_tree, self._rest_tree,
@@ -242,12 +246,6 @@ class EntMtpWorker(EAGLEWorkerV2):
             choice = None
         step = lay_out(choice, len(reqs), self.plans, self.indices, self.shape_index, self._index_by_name,
                        resting=rest, device=batch.seq_lens.device)
-        if (not step.resting and choice is not None and not any(self._pin(r) for r in reqs)
-                and self.timing.force_rest(len(reqs))):
-            for r in reqs:   # the chosen trees do not run: no acceptance feedback for them
-                self.controller.record(r.rid, None)
-            step = lay_out(None, len(reqs), self.plans, self.indices, self.shape_index, self._index_by_name,
-                           resting=True, device=batch.seq_lens.device)
         self._step, self._step_reqs = step, list(reqs)
         self.telemetry.record(reqs, step, self.shapes.apply(step), h)
 
