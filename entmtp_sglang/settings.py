@@ -190,10 +190,12 @@ class Settings:
         "ENTMTP_FORCED_SPANS", Flag(), True,
         "`0`: no forced spans (the text a request's grammar decides is not drafted below its tree; they need "
         "ragged verify)")
-    rest_spans: bool = _switch(
-        "ENTMTP_REST_SPANS", Flag(), True,
-        "`0`: a step the policy rests verifies its roots alone (by default a resting row still takes its span, "
-        "verified as a chain below its root)")
+    rest_spans: str = _switch(
+        "ENTMTP_REST_SPANS", Choice(("0", "1", "auto")), "auto",
+        "whether a resting row still takes its span, verified as a chain below its root: `auto` in a step of fewer "
+        "than 4 requests (from 4 on a verified token is no longer nearly free on a CPU, and spans on resting steps "
+        "cost more than they returned: the mixed batch at 8 requests 0.79x plain with them, 1.00x without, "
+        "2026-12-07), `1` at every batch size, `0` never (a resting step verifies its roots alone)")
     lookup_spans: str = _switch(
         "ENTMTP_LOOKUP_SPANS", Choice(("0", "1", "all")), "all",
         "a request's own text repeating (prompt lookup) as spans, below its tree and where its grammar decides "

@@ -712,3 +712,25 @@ def test_the_bootstrap_interval_of_paired_ratios_is_seeded_and_within_their_rang
             bootstrap_interval(bad)
     with pytest.raises(ValueError, match="level"):
         bootstrap_interval(ratios, level=1.0)
+
+
+def test_the_speculation_gap_table_pairs_each_entmtp_server_with_the_plain_run_beside_it():
+    """bench/experiments/speculation_gap.py: ENTMTP (and an ablation beside it) over plain on entmtp_torch, each repeat
+    over the plain run of its round; plain's own row and a task without plain are left out."""
+    from entmtp_sglang.bench.sglang_benchmark import Row
+
+    gap = load_script("speculation_gap", "bench/experiments")
+
+    def row(system, task, tps, plain=()):
+        return Row(system, 4, 100, 1.0, requests=4, task=task, repeat_tokens_per_s=list(tps),
+                   plain_repeat_tokens_per_s=list(plain))
+
+    rows = [row("plain-entmtp", "chat", [50.0, 40.0, 60.0]), row("entmtp", "chat", [45.0, 44.0, 54.0], [50, 40, 60]),
+            row("entmtp-also", "chat", [55.0, 40.0, 66.0], [50, 40, 60]), row("entmtp", "prose", [10.0, 10.0, 10.0])]
+    table = gap.gap_table(rows)
+    assert "| chat | 4 | entmtp | 100.0 | 100.0 | **0.90x** | 0.90-1.10 |" in table, table
+    assert "| chat | 4 | entmtp-also | 100.0 | 100.0 | **1.10x** | 1.00-1.10 |" in table, table
+    assert "prose" not in table and "| plain-entmtp |" not in table
+    with pytest.raises(SystemExit, match="ENTMTP_NAME=VALUE"):
+        gap._env(["GUARD=0"])
+    assert gap._env(["ENTMTP_GUARD=0"]) == (("ENTMTP_GUARD", "0"),)

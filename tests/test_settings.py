@@ -33,10 +33,10 @@ def test_defaults():
     s = Settings.from_env({})
     assert s == Settings()
     assert (s.tree_set_path, s.record_path, s.profile_path, s.tree_trace_dir) == (None, None, None, None)
-    assert (s.policy, s.lookup_spans, s.linear) == ("entmtp", "all", "auto")
+    assert (s.policy, s.lookup_spans, s.linear, s.rest_spans) == ("entmtp", "all", "auto", "auto")
     assert (s.max_rest, s.forced_max_tokens) == (SGLANG_MAX_REST, 16)
     assert not s.force_tree_set and not s.online_calibration
-    assert all((s.grammar_draft, s.online_costs, s.guard, s.per_row_trees, s.ragged, s.forced_spans, s.rest_spans,
+    assert all((s.grammar_draft, s.online_costs, s.guard, s.per_row_trees, s.ragged, s.forced_spans,
                 s.span_ends, s.cpu_sampling, s.onednn, s.rowwise, s.fewrow))
     assert s.cache_dir == Path("~/.cache/entmtp").expanduser()
 

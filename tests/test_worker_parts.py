@@ -49,3 +49,36 @@ def test_a_step_reaches_the_guard_with_the_tokens_sglang_reported():
     timing.observe_tokens(None)   # no report came: one token a row
     timing.observe_tokens(5)      # nothing pending: ignored
     assert timing.guard.seen == [(3, False, 7, 0.5), (2, True, 2, 0.25)]
+
+
+def test_resting_rows_take_spans_only_below_four_requests_unless_told():
+    """ENTMTP_REST_SPANS: `auto` (default) below 4 requests, `1` at every batch size, `0` never. A resting step at or
+    above the bound leaves the step's layout alone and never asks the span drafter."""
+    from entmtp_sglang.sglang.verifying import REST_SPAN_ROWS, Verifier, rest_spans_below
+
+    assert REST_SPAN_ROWS == 4
+    assert (rest_spans_below("auto"), rest_spans_below("1"), rest_spans_below("0")) == (4, float("inf"), 0)
+    assert (rest_spans_below(True), rest_spans_below(False)) == (float("inf"), 0)
+    with pytest.raises(ValueError, match="0, 1 or auto"):
+        rest_spans_below("sometimes")
+
+    class Asked(Exception):
+        pass
+
+    class Forced:   # the span drafter: asked means the step takes spans
+        def extend(self, *a, **k):
+            raise Asked
+
+    def ask(setting, rows):
+        v = Verifier(Forced(), None, None, None, setting)
+        reqs = [SimpleNamespace(grammar=None) for _ in range(rows)]
+        batch = SimpleNamespace(reqs=reqs, enable_overlap=False, spec_info=None)
+        step = SimpleNamespace(resting=True, ragged=None, num_nodes=1, num_steps=0)
+        try:
+            return v.spans(batch, step, reqs, False, False, lambda r: 100, lambda r: False) is step and "no"
+        except Asked:
+            return "asked"
+
+    assert [ask("auto", n) for n in (1, 3, 4, 16)] == ["asked", "asked", "no", "no"]
+    assert [ask("1", n) for n in (1, 16)] == ["asked", "asked"]
+    assert [ask("0", n) for n in (1, 3)] == ["no", "no"]

@@ -22,15 +22,37 @@ from .sglang_api import ForwardMode
 from .step import StepDecision
 
 
+# ENTMTP_REST_SPANS=auto: a resting step's rows take spans in a step of fewer requests than this. At one to three
+# requests a step reads the weights once whatever the tokens verified (a span token is nearly free); from four on a
+# CPU verifies a token at a real cost, and the spans of resting steps cost more than they returned (the product
+# benchmark's mixed batch at 8 requests, 2026-12-07: ENTMTP 0.79x plain with the package with them, 1.00x without;
+# prose at 4 requests 0.88x against 0.98x; bench/results/speculation_gap/)
+REST_SPAN_ROWS = 4
+
+
+def rest_spans_below(setting: str | bool) -> float:
+    """The batch sizes whose resting steps take spans, as the number of requests they stay below: `auto`
+    (`REST_SPAN_ROWS`), `1`/True (every batch size), `0`/False (none)."""
+    if setting in ("auto",):
+        return REST_SPAN_ROWS
+    if setting in ("1", True):
+        return float("inf")
+    if setting in ("0", False):
+        return 0
+    raise ValueError(f"ENTMTP_REST_SPANS takes 0, 1 or auto, got {setting!r}")
+
+
 class Verifier:
     """The verify part. `forced`: the forced-span drafter or None; `target_forward`: SGLang's target model runner
     forward; `controller`: the policy (its step cost prices a span token); `shapes`: the runtime shapes (the verify
-    width); `rest_spans`: whether a resting step's rows take spans."""
+    width); `rest_spans`: at which batch sizes a resting step's rows take spans (ENTMTP_REST_SPANS: `auto`, `1`,
+    `0`; `rest_spans_below`)."""
 
     def __init__(self, forced: ForcedDraft | None, target_forward, controller, shapes: RuntimeShapes,
-                 rest_spans: bool):
+                 rest_spans: str | bool):
         self.forced, self.target_forward, self.controller, self.shapes = forced, target_forward, controller, shapes
-        self.rest_spans = rest_spans
+        # the batch sizes whose resting steps take spans: below this many requests (ENTMTP_REST_SPANS)
+        self.rest_spans_below = rest_spans_below(rest_spans)
         self.step: ForcedStep | None = None     # this step's spans, until SGLang reports its acceptance
         self._width: int | None = None          # the width the step's spans widened (restored after the step)
 
@@ -41,7 +63,7 @@ class Verifier:
         positions left; `never_drafts(req)`: a request that takes no spans."""
         self.step = None
         if (self.forced is None or len(step_reqs) != len(batch.reqs)
-                or not (self.rest_spans and not recording if step.resting else speculating)):
+                or not (self.rest_spans_below > len(step_reqs) and not recording if step.resting else speculating)):
             return step
         reqs = batch.reqs
         grammars = {}   # row -> its live grammar, or None for a row without one (its spans: its own repeats)
