@@ -176,7 +176,8 @@ class Settings:
     guard: bool = _switch(
         "ENTMTP_GUARD", Flag(), True,
         "`0`: no guard (by default, at 4 requests and more, a batch size where this server's speculating steps "
-        "emitted 5% fewer tokens per second than its resting ones rests; docs/sglang.md, \"Per step\")")
+        "emitted 2% fewer tokens per second than its resting ones, the decision's time included, rests; "
+        "docs/sglang.md, \"Per step\")")
     # -- the decode step (sglang/worker.py, sglang/forced_draft.py) --
     per_row_trees: bool = _switch(
         "ENTMTP_PER_ROW_TREES", Flag(), True,

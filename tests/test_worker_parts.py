@@ -48,7 +48,10 @@ def test_a_step_reaches_the_guard_with_the_tokens_sglang_reported():
     timing.step_done(SimpleNamespace(reqs=[1, 2]), SimpleNamespace(**{**vars(step), "resting": True}), 0.25)
     timing.observe_tokens(None)   # no report came: one token a row
     timing.observe_tokens(5)      # nothing pending: ignored
-    assert timing.guard.seen == [(3, False, 7, 0.5), (2, True, 2, 0.25)]
+    # a step's decision (the policy, a catch-up pass) counts in what the guard judges it by
+    timing.step_done(SimpleNamespace(reqs=[1, 2, 3, 4]), step, 0.5, choosing=0.25)
+    timing.observe_tokens(6)
+    assert timing.guard.seen == [(3, False, 7, 0.5), (2, True, 2, 0.25), (4, False, 6, 0.75)]
 
 
 def test_resting_rows_take_spans_only_below_four_requests_unless_told():

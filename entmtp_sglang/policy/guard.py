@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 @dataclass(frozen=True)
 class GuardConfig:
-    margin: float = 0.05        # speculation must deliver at least (1 - margin) of resting's rate
+    margin: float = 0.02        # speculation must deliver at least (1 - margin) of resting's rate
     min_steps: int = 4          # steps of each arm in a bucket before it judges
     explore_every: int = 8      # one step in this many goes to the arm the guard would not take
     measure_rest_every: int = 2  # ... and one in this many rests while the resting arm has too few steps to judge

@@ -56,8 +56,11 @@ class StepTiming:
         self.guard = SpeculationGuard() if config.guard and single and self.observer is None else None
         self._guard_step: tuple | None = None   # (rows, resting, seconds) of the step whose tokens are not counted yet
 
-    def step_done(self, batch, step: StepDecision, seconds: float) -> None:
-        """A decode step ran in `seconds`: into the recorder, the step costs and the guard's pending step."""
+    def step_done(self, batch, step: StepDecision, seconds: float, choosing: float = 0.0) -> None:
+        """A decode step ran in `seconds`: into the recorder, the step costs and the guard's pending step.
+        `choosing`: the seconds its decision took before it (the policy, and the drafter's catch-up over positions
+        a rest owed it, which a step that resumes speculating pays): the guard judges a step by all it cost, so
+        that speculating is charged what resting saves; the step costs keep the step alone (what a tree costs)."""
         rows = len(batch.reqs)
         if self.observer is not None:
             self._record(batch, step, seconds)
@@ -67,7 +70,7 @@ class StepTiming:
             if self.ragged_costs is not None:
                 self._time_ragged(step, rows, seconds)
             if self.guard is not None:   # observed once the scheduler reports what it accepted
-                self._guard_step = (rows, step.resting, seconds)
+                self._guard_step = (rows, step.resting, seconds + max(choosing, 0.0))
         except Exception:   # timing must never fail a request: the server keeps the costs it has
             logger.exception("ENTMTP: timing a step failed; online step costs stop")
             self.costs = self.ragged_costs = None

@@ -21,7 +21,6 @@ from .runtime import RuntimeShapes
 from .sglang_api import ForwardMode
 from .step import StepDecision
 
-
 # ENTMTP_REST_SPANS=auto: a resting step's rows take spans in a step of fewer requests than this. At one to three
 # requests a step reads the weights once whatever the tokens verified (a span token is nearly free); from four on a
 # CPU verifies a token at a real cost, and the spans of resting steps cost more than they returned (the product

@@ -185,9 +185,12 @@ class EntMtpWorker(EAGLEWorkerV2):
         prof = self.profiler if decode else None
         if prof is not None:
             prof.begin_step()
+        choosing = 0.0
         if decode and self._draft_worker is not None:
+            began = time.perf_counter()
             with prof.timed("choose") if prof is not None else contextlib.nullcontext():
                 self._choose(batch)
+            choosing = time.perf_counter() - began
         self._last_extend = None
         self.timing.observe_tokens(None)   # a step whose accepted counts never came: one token a row
         start = time.perf_counter()
@@ -196,7 +199,7 @@ class EntMtpWorker(EAGLEWorkerV2):
         finally:
             self.verifier.restore()
         if decode:
-            self.timing.step_done(batch, self._step, time.perf_counter() - start)
+            self.timing.step_done(batch, self._step, time.perf_counter() - start, choosing)
         self._record_signals(batch)
         if prof is not None:
             prof.end_step(tree=REST if self._step.resting else self._step.name, bs=len(batch.reqs))
