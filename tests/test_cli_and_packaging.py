@@ -195,3 +195,9 @@ def test_generate_with_forced_spans_prints_the_same_text_and_their_stats(capsys)
     out = capsys.readouterr().out
     assert out.split("[stats]")[0] == plain
     assert "[forced] spans=" in out
+
+
+def test_the_readme_stays_a_front_page():
+    """README.md is the product's front page (issue 58): at most 300 lines; the details live in docs/."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 300, f"README.md has {len(lines)} lines; move detail to docs/"
