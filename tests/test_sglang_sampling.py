@@ -20,7 +20,7 @@ import json
 
 import pytest
 import torch
-from helpers.testing import chi_square_pvalue, import_sglang_or_skip, started
+from helpers.testing import FIXED_COSTS, chi_square_pvalue, import_sglang_or_skip, started
 
 import_sglang_or_skip()
 
@@ -102,10 +102,14 @@ def chi2_pvalue(counts: dict, joint: dict) -> float:
 def servers(tmp_path_factory):
     logs = tmp_path_factory.mktemp("sglang-sampling-logs")
     f32 = ("--dtype", "float32", "--random-seed", "0")
+    # the tree set's own step costs (no choice follows wall-clock readings), and spans on resting rows at every batch
+    # size: the requests here run eight at a time, where ENTMTP_REST_SPANS=auto gives resting rows none, and the
+    # forced-span test needs spans reached and accepted under the sampler
+    env = {**FIXED_COSTS, "ENTMTP_REST_SPANS": "1"}
     exact = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp.log", extra=f32,
-                             env={"ENTMTP_TREE_TRACE": str(logs / "trace")})
+                             env={**env, "ENTMTP_TREE_TRACE": str(logs / "trace")})
     greedy = SGLangServer.cpu("ENTMTP", log_path=logs / "entmtp-greedy.log", extra=f32,
-                              env={"ENTMTP_CPU_SAMPLING": "0"})
+                              env={**env, "ENTMTP_CPU_SAMPLING": "0"})
     with started(exact, greedy):
         yield exact, greedy
 
