@@ -1,14 +1,22 @@
-"""Long prompts: ENTMTP against stock SGLang at batch 1 with 1k to 4k tokens of context.
+"""Long prompts: ENTMTP against stock SGLang at batch 1 with 1k to 4k tokens of context, and a follow-up question.
 
-Each request is a long document followed by a question, through SmolLM2's chat template: Python source files and
-project READMEs of packages that SGLang's own install brings (requests, jinja2, openai, tqdm: text none of the
-drafters was trained on, which saw CPython's standard library, ShareGPT and JSON documents), cut at a line boundary
-to the context length in tokens. Every system answers every request twice in a row: **cold** after emptying its
-radix cache (the prefill of the whole document is in the time, as for a new document) and **cached** (the document's
-prefix comes from the radix cache, as for a follow-up question on it). Greedy, float32, batch 1, the servers
-measured interleaved (stock first), the median over repeats and the paired ratio (median of the per-repeat
-ratios); every output is compared with stock SGLang's. The table gives the share of prompt tokens the radix cache
-served in each pass.
+Each conversation is about a long document: Python source files and project READMEs of packages that SGLang's own
+install brings (requests, jinja2, openai, tqdm: text none of the drafters was trained on, which saw CPython's
+standard library, ShareGPT and JSON documents), cut at a line boundary to the context length in tokens, through
+SmolLM2's chat template. Every system answers every document in two turns in a row, as a user reads a document with
+the model: **cold**, the document and a first question after emptying its radix cache (the prefill of the whole
+document is in the time, as for a new document), then **follow-up**, a second, different question on the same
+document after the model's first answer: the conversation [user: document and first question, assistant: the first
+answer, user: the second question], whose prefix (the document and the first turn) the radix cache holds from the
+cold pass and whose new question (and answer) it does not. The first answer in every system's follow-up is stock
+SGLang's, from its cold pass on that document (cut at --max-new-tokens, as the user read it): every system then
+gets the very same follow-up prompt, so its follow-up output can be compared with stock's token for token, where a
+system's own first answer would give a system whose answer drifted a prompt of its own (and nothing to compare its
+output with); the radix cache of a system whose cold answer equals stock's holds that answer too. Greedy, float32,
+batch 1, the servers measured interleaved (stock first: its cold answers make the follow-ups), the median over
+repeats and the paired ratio (median of the per-repeat ratios); every output is compared with stock SGLang's. The
+table gives the share of prompt tokens the radix cache served in each pass: none cold, most but not all on the
+follow-up (its new question and the template's turn markers are not in the cache).
 
 A third server decodes plainly (no speculation) with this package (its CPU linear layers) on ENTMTP's attention
 backend (`entmtp_torch`) instead of SGLang's `torch_native`: at long context the attention over the prompt is much
@@ -30,6 +38,7 @@ import collections
 import dataclasses
 import importlib.metadata
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from entmtp_sglang.bench.sglang_benchmark import (
@@ -37,10 +46,12 @@ from entmtp_sglang.bench.sglang_benchmark import (
     Row,
     ServerPool,
     SystemSpec,
+    compare,
     machine,
     measure,
     medians,
     paired_ratio,
+    timed_pass,
     write,
 )
 from entmtp_sglang.model.prepare import resolve_alias
@@ -51,13 +62,34 @@ ENTMTP = SystemSpec("entmtp", "ENTMTP")
 # torch_native: what ENTMTP's layers and attention give at long context, so that the table can say what speculation
 # adds on top
 PLAIN_ENTMTP_ATTENTION = SystemSpec("plain-entmtp-attention", None, attention="entmtp_torch")
-HOW = ("cold", "cached")   # each document after emptying the radix cache, then again at once (its prefix cached)
-# (distribution, file inside it or "README" for its long description, question)
+# each document with its first question after emptying the radix cache, then at once the second question after the
+# first answer (the document and first turn cached)
+HOW = ("cold", "follow-up")
+LIMIT = 8000   # tokens a conversation may reach: SmolLM2 reads 8,192, the rest for the template and the questions
+
+
+@dataclass(frozen=True)
+class Document:
+    """A long document and the two questions a user asks about it: the first with the document, the second (a
+    different one) after reading the model's answer to the first."""
+
+    dist: str        # the installed distribution it comes from
+    file: str        # a file inside it, or "README" for its long description
+    question: str
+    follow_up: str
+
+
 DOCUMENTS = (
-    ("requests", "requests/sessions.py", "Explain what the code above does, function by function."),
-    ("jinja2", "jinja2/lexer.py", "Rewrite the first function defined above with type hints and a docstring."),
-    ("openai", "README", "Summarize the document above in a few sentences."),
-    ("tqdm", "README", "List the main ways the document above says the library can be used, with an example of each."),
+    Document("requests", "requests/sessions.py", "Explain what the code above does, function by function.",
+             "Which function above would you test first, and how?"),
+    Document("jinja2", "jinja2/lexer.py", "Rewrite the first function defined above with type hints and a docstring.",
+             "Which regular expressions does the code above compile, and what does each match, with an example?"),
+    Document("openai", "README", "Summarize the document above in a few sentences.",
+             "Which Python versions does the document above say the library supports, and what are its clients "
+             "built on?"),
+    Document("tqdm", "README",
+             "List the main ways the document above says the library can be used, with an example of each.",
+             "How does the document above use tqdm in a shell pipe, and what does its `--bytes` option do there?"),
 )
 
 
@@ -86,14 +118,36 @@ def cut(tokenizer, text: str, tokens: int) -> str:
     return head[:head.rfind("\n")] if "\n" in head else head
 
 
-def payloads(tokenizer, context: int, max_new: int) -> list[dict]:
-    out = []
-    for dist, file, question in DOCUMENTS:
-        doc = cut(tokenizer, document(dist, file), context)
-        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{doc}\n\n{question}"}], tokenize=False,
-                                             add_generation_prompt=True)
-        out.append({"text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new}})
-    return out
+def documents(tokenizer, context: int) -> list[str]:
+    """DOCUMENTS' texts, each cut to `context` tokens (`cut`), in their order."""
+    return [cut(tokenizer, document(d.dist, d.file), context) for d in DOCUMENTS]
+
+
+def conversation(doc: str, about: Document, answer: str | None = None) -> list[dict]:
+    """The chat about `doc`: the user's document and first question; with the model's `answer` to it, that answer
+    and the user's follow-up question after it."""
+    turns = [{"role": "user", "content": f"{doc}\n\n{about.question}"}]
+    if answer is not None:
+        turns += [{"role": "assistant", "content": answer}, {"role": "user", "content": about.follow_up}]
+    return turns
+
+
+def payload(tokenizer, turns: list[dict], max_new: int) -> dict:
+    """A greedy /generate request for the model's next turn in `turns`, through the model's chat template."""
+    text = tokenizer.apply_chat_template(turns, tokenize=False, add_generation_prompt=True)
+    return {"text": text, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new}}
+
+
+def answer(tokenizer, ids: list[int]) -> str:
+    """An output's text as the server returns it to a client (special tokens, the end of turn among them, left out):
+    what goes back into the conversation as the assistant's turn."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def follow_up(tokenizer, doc: str, about: Document, first_ids: list[int], max_new: int) -> dict:
+    """The second turn on `doc`: the request for the answer to `about.follow_up`, after the first question and the
+    model's answer to it (`first_ids`: stock SGLang's output token ids on the first turn, the same for every system)."""
+    return payload(tokenizer, conversation(doc, about, answer(tokenizer, first_ids)), max_new)
 
 
 def add(row: Row, one: Row) -> None:
@@ -111,10 +165,11 @@ def add(row: Row, one: Row) -> None:
 
 
 def table(rows: list[Row], contexts: list[int]) -> str:
-    """Per context and cache state: stock, plain decoding on ENTMTP's attention backend and ENTMTP, each ratio over
-    stock (ratio of medians, then paired), and ENTMTP over the plain run on its own backend (what speculation adds)."""
+    """Per context and turn (cold, follow-up): stock, plain decoding on ENTMTP's attention backend and ENTMTP, each
+    ratio over stock (ratio of medians, then paired), and ENTMTP over the plain run on its own backend (what
+    speculation adds)."""
     by = {(r.task, r.system): r for r in rows}
-    lines = ["| context (tokens) | prompt cache | prompt tokens cached (stock / ENTMTP) | stock tok/s | "
+    lines = ["| context (tokens) | turn | prompt tokens cached (stock / ENTMTP) | stock tok/s | "
              "plain on ENTMTP's attention, vs stock (paired) | ENTMTP tok/s | ENTMTP vs stock (paired) | "
              "ENTMTP vs plain on its attention | mean accepted length | greedy = stock | ENTMTP's spans |",
              "|---" * 11 + "|"]
@@ -150,16 +205,23 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sglang_long_context")
     args = ap.parse_args()
     contexts = [int(c) for c in args.contexts.split(",") if c]
-    if not contexts or min(contexts) < 64 or max(contexts) + args.max_new_tokens > 8000:
-        ap.error(f"--contexts {args.contexts!r}: each between 64 and {8000 - args.max_new_tokens} tokens")
+    # the follow-up holds the document, the first answer and the second answer
+    if not contexts or min(contexts) < 64 or max(contexts) + 2 * args.max_new_tokens > LIMIT:
+        ap.error(f"--contexts {args.contexts!r} with --max-new-tokens {args.max_new_tokens}: each context between 64 "
+                 f"and {LIMIT - 2 * args.max_new_tokens} tokens")
     if args.repeats < 1 or args.max_new_tokens < 1:
         ap.error("--repeats and --max-new-tokens must be at least 1")
     from transformers import AutoTokenizer
 
     model = resolve_alias(args.model)
     tokenizer = AutoTokenizer.from_pretrained(str(model))
-    work = {ctx: payloads(tokenizer, ctx, args.max_new_tokens) for ctx in contexts}
-    kv = ("--max-total-tokens", str(2 * (max(contexts) + args.max_new_tokens) + 1024))   # a document and its answer
+    docs = {ctx: documents(tokenizer, ctx) for ctx in contexts}
+    first = {ctx: [payload(tokenizer, conversation(doc, about), args.max_new_tokens)
+                   for doc, about in zip(docs[ctx], DOCUMENTS)] for ctx in contexts}
+    # (context, document) -> the follow-up request, made from stock SGLang's first answer on its first cold pass
+    follow_ups: dict[tuple[int, int], dict] = {}
+    # a conversation (the document, two questions, two answers: under a context and two answers) with room to spare
+    kv = ("--max-total-tokens", str(2 * (max(contexts) + args.max_new_tokens) + 1024))
     systems = [dataclasses.replace(s, args=s.args + kv) for s in (STOCK, PLAIN_ENTMTP_ATTENTION, ENTMTP)]
     runs: dict[tuple[str, str, int], list[Row]] = collections.defaultdict(list)
     stock_tps: dict[tuple[str, str, int], list[float]] = collections.defaultdict(list)
@@ -174,11 +236,20 @@ def main() -> None:
             for ctx in contexts:
                 for spec in systems:   # stock first: its outputs are the ones every other is compared with
                     srv = pool[spec.name]
-                    passes = [Row(spec.name, 1, 0, 0.0, task=f"{ctx}-{how}") for how in HOW]
-                    for k, p in enumerate(work[ctx]):
-                        srv.flush_cache()   # each document cold (its prefill in the time), then at once cached
-                        for row in passes:
-                            add(row, measure(srv, spec, [p], 1, reference, f"{row.task}-{k}", stock))
+                    cold, again = passes = [Row(spec.name, 1, 0, 0.0, task=f"{ctx}-{how}") for how in HOW]
+                    for k, (doc, about) in enumerate(zip(docs[ctx], DOCUMENTS)):
+                        srv.flush_cache()   # each document cold (its prefill in the time), then at once its follow-up
+                        one, ids = timed_pass(srv, spec, [first[ctx][k]], 1, f"{cold.task}-{k}")
+                        compare(spec, one, ids, reference, stock)
+                        add(cold, one)
+                        if spec.name == STOCK.name:
+                            follow_ups.setdefault((ctx, k), follow_up(tokenizer, doc, about, ids[0],
+                                                                      args.max_new_tokens))
+                        if (ctx, k) not in follow_ups:
+                            raise RuntimeError(f"{spec.name} reached the follow-up on {about.dist}: {about.file} "
+                                               "before stock SGLang answered its first question")
+                        add(again, measure(srv, spec, [follow_ups[(ctx, k)]], 1, reference, f"{again.task}-{k}",
+                                           stock))
                     for row in passes:
                         runs[(spec.name, row.task, 1)].append(row)
                         if spec.name == STOCK.name:
@@ -189,8 +260,9 @@ def main() -> None:
                               f"prompt cached {row.cached_tokens / max(row.prompt_tokens, 1):.0%}", flush=True)
     rows = medians(runs, systems, [(f"{ctx}-{how}", 1) for ctx in contexts for how in HOW], stock_tps)
     config = {"model": model.name, "contexts": contexts, "max_new_tokens": args.max_new_tokens,
-              "repeats": args.repeats, "documents": [f"{d}:{f}" for d, f, _ in DOCUMENTS],
-              "versions": {d: importlib.metadata.version(d) for d, _, _ in DOCUMENTS},
+              "repeats": args.repeats, "documents": [f"{d.dist}:{d.file}" for d in DOCUMENTS],
+              "questions": [[d.question, d.follow_up] for d in DOCUMENTS],
+              "versions": {d.dist: importlib.metadata.version(d.dist) for d in DOCUMENTS},
               "systems": [s.name for s in systems], "baseline": STOCK.name, "duration_s": round(time.time() - t0)}
     write(rows, args.out, config, name="long_context")
     m = machine()

@@ -2,11 +2,24 @@
 installed (on its `entmtp_torch` attention, the baseline of what speculation adds, and on `torch_native`), SGLang's
 EAGLE (the static grid) and `--speculative-adaptive`, on SmolLM2-135M-Instruct on this CPU.
 
-    .venv/bin/python bench/sglang_speed.py                  # 50-120 minutes on 2 cores; bench/results/sglang_speed.*
+    .venv/bin/python bench/sglang_speed.py --ladder         # the product run: about 2 h 10 min on 2 cores, estimated
+    .venv/bin/python bench/sglang_speed.py                  # every system on every workload: hours; --systems to cut
     .venv/bin/python bench/sglang_speed.py --render bench/results/sglang_speed.jsonl.gz  # the table again, no servers
     .venv/bin/python bench/sglang_speed.py --render bench/results/sglang_speed.jsonl.gz --headline  # README's tables
     .venv/bin/python bench/sglang_speed.py --tasks code --batches 1 --per-task 2 --max-new-tokens 8 --repeats 1
         --systems plain,entmtp --out /tmp/smoke      # a smoke run (a few minutes): stock, both plains, ENTMTP, code
+
+The ladder (`--ladder`, issue 58): stock SGLang in float32 and bfloat16, plain with the package on `torch_native` and
+on `entmtp_torch`, SGLang's EAGLE (s1-k1-n2, the best static setting of earlier runs, and adaptive) and SGLang's own
+NGRAM on the package's layers and attention, and ENTMTP three times: the drafter's trees only (`entmtp-no-spans`),
+with lookup spans (`entmtp-no-forced`), as served (`entmtp`). Three passes, each its own servers
+(`ladder_passes`): every rung on a mixed stream of `--ladder-per-task` prompts of each task (default 2, ten requests)
+at batch 1 and 4 and on the mixed batch of twice as many (16 requests) at `--mixed-batch-batches`, stock and plain on
+entmtp_torch in every wave and ENTMTP's three rungs in one wave; then stock in both dtypes, plain on entmtp_torch and
+ENTMTP on each task (8 prompts by default) at batch 1; then those four on the compact JSON layout. Defaults with
+`--ladder`: 8 prompts per task from the measurement set, 96 new tokens, 3 repeats, each pass from an empty radix
+cache (NGRAM's corpus emptied with it), servers shuffled per repeat. The headline's first table is the ladder
+(`ladder`): each rung's gain over the rung it builds on, paired.
 
 Systems (entmtp_sglang/bench/sglang_benchmark.py says how each is started):
 - `plain-stock`, the baseline: stock SGLang, this package's general plugin not loaded (SGLANG_PLUGINS=entmtp_cpu_ops:
@@ -29,6 +42,9 @@ Systems (entmtp_sglang/bench/sglang_benchmark.py says how each is started):
   before `plain-entmtp` (the committed one among them) divide what speculation adds by `plain` instead
   (`speculation_baseline`), and render as they did.
 - `entmtp`: `--speculative-algorithm ENTMTP` as `make serve` starts it.
+- `ngram`: SGLang's NGRAM (`--speculative-algorithm NGRAM`, 12 draft tokens, its defaults otherwise), on the package's
+  layers and `entmtp_torch` (SGLang's `torch_native` fails its verify pass on a CPU); the package supplies its one
+  sgl-kernel op, `reconstruct_indices_from_tree_mask` (tests/test_sglang_ops.py, tests/test_sglang_ngram.py).
 - SGLang's EAGLE over the static grid (s1-k1-n2, s2-k1-n3, s3-k1-n4, s3-k2-n6) and `--speculative-adaptive`, with the
   same EAGLE drafter and token map. Stock SGLang cannot run them on a CPU (torch_native refuses EAGLE; intel_amx
   needs a CPU build of sgl-kernel), so they run in the closest form: the plugin loaded for its `entmtp_torch`
@@ -76,6 +92,7 @@ from pathlib import Path
 from entmtp_sglang.bench.sglang_benchmark import (
     ADAPTIVE,
     EAGLE_GRID,
+    NGRAM,
     PLAIN,
     PLAIN_ENTMTP,
     STOCK,
@@ -136,6 +153,10 @@ ENTMTP_NO_SPAN_ENDS = SystemSpec("entmtp-no-span-ends", "ENTMTP", env=(("ENTMTP_
 # without the guard that rests a batch size where speculating steps delivered fewer tokens per second than resting
 # ones (policy/guard.py): an ablation, not run unless named
 ENTMTP_NO_GUARD = SystemSpec("entmtp-no-guard", "ENTMTP", env=(("ENTMTP_GUARD", "0"),))
+# the drafter's trees alone: neither lookup spans (the request's own repeats) nor grammar spans (the text its grammar
+# decides), the ladder's first ENTMTP rung (`LADDER`)
+ENTMTP_NO_SPANS = SystemSpec("entmtp-no-spans", "ENTMTP",
+                             env=(("ENTMTP_LOOKUP_SPANS", "0"), ("ENTMTP_FORCED_SPANS", "0")))
 # ENTMTP with the EAGLE-3 drafter trained on fixed data (models/<model>/eagle3/, issue 38), where the model has one
 ENTMTP_EAGLE3 = SystemSpec("entmtp-eagle3", "ENTMTP", draft="eagle3")
 # ENTMTP with another drafter's weights (`--compare-draft DIR`: say the drafter shipped before a refresh, against the
@@ -144,8 +165,8 @@ COMPARE = SystemSpec("entmtp-compare-draft", "ENTMTP")
 # stock (float32 and bfloat16) and plain on entmtp_torch in every wave (the three baselines); ENTMTP's wave first,
 # beside adaptive; plain on torch_native last (module docstring)
 SYSTEMS = (STOCK, STOCK_BF16, PLAIN_ENTMTP, ENTMTP, *EAGLE_SGLANG_LAYERS, PLAIN)
-OPTIONAL = (ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED, ENTMTP_NO_LOOKUP, ENTMTP_NO_REST_SPANS,
-            ENTMTP_LOOKUP_CONSTRAINED, ENTMTP_NO_SPAN_ENDS, ENTMTP_NO_GUARD)
+OPTIONAL = (NGRAM, ENTMTP_NO_SPANS, ENTMTP_EAGLE3, ENTMTP_ONE_TREE, ENTMTP_NO_RAGGED, ENTMTP_NO_FORCED,
+            ENTMTP_NO_LOOKUP, ENTMTP_NO_REST_SPANS, ENTMTP_LOOKUP_CONSTRAINED, ENTMTP_NO_SPAN_ENDS, ENTMTP_NO_GUARD)
 EVERY_WAVE = (STOCK.name, STOCK_BF16.name, PLAIN_ENTMTP.name)
 BASELINES = (STOCK, STOCK_BF16, PLAIN_ENTMTP)   # always run: every ratio divides by one of them
 DEFAULT = tuple(s.name for s in SYSTEMS)
@@ -160,6 +181,32 @@ COMPACT_SYSTEMS = (STOCK.name, STOCK_BF16.name, PLAIN_ENTMTP.name, PLAIN.name, E
                    ENTMTP_NO_FORCED.name, ENTMTP_NO_LOOKUP.name, ENTMTP_NO_REST_SPANS.name, ENTMTP_NO_SPAN_ENDS.name)
 # the mixed batch: agent traffic, every batch in flight mixing schema extraction, tool calls, code and chat
 MIXED_BATCH_TASKS = ("json", "tool-call", "code", "chat")
+BEST_STATIC = "best static"   # a rung (and a headline line) for the best static EAGLE setting of the run, by name
+# The ladder from stock SGLang to ENTMTP (`--ladder` runs it, `ladder` tables it): each rung's system, its line, and
+# the rungs its gain divides by, the first of them the run has (paired, `paired_over`). Where a rung builds on the
+# one before it, that one; the speculative algorithms stand side by side on plain with the package on entmtp_torch
+# (the same layers and attention), and ENTMTP's span kinds are added one at a time.
+LADDER = (
+    (STOCK.name, "stock SGLang, float32", ()),
+    (STOCK_BF16.name, "stock SGLang, bfloat16 (what `--dtype auto` serves)", (STOCK.name,)),
+    (PLAIN.name, "+ this package's CPU layers (SGLang's `torch_native` attention)", (STOCK.name,)),
+    (PLAIN_ENTMTP.name, "+ its `entmtp_torch` attention, overlap on: plain decoding", (PLAIN.name, STOCK.name)),
+    (BEST_STATIC, "SGLang EAGLE, the best static setting (`{setting}`{layers})", (PLAIN_ENTMTP.name,)),
+    (ADAPTIVE.name, "SGLang EAGLE, `--speculative-adaptive`{layers}", (PLAIN_ENTMTP.name,)),
+    (NGRAM.name, "SGLang NGRAM (12 draft tokens a step)", (PLAIN_ENTMTP.name,)),
+    (ENTMTP_NO_SPANS.name, "ENTMTP, the drafter's trees only", (PLAIN_ENTMTP.name,)),
+    (ENTMTP_NO_FORCED.name, "+ lookup spans (the request's own repeats)", (ENTMTP_NO_SPANS.name, PLAIN_ENTMTP.name)),
+    (ENTMTP.name, "+ grammar spans: **ENTMTP as served**",
+     (ENTMTP_NO_FORCED.name, ENTMTP_NO_SPANS.name, PLAIN_ENTMTP.name)),
+)
+# a rung's line where the run lacks the rung it builds on (its gain then divides by a later one of its `over`)
+LADDER_ALONE = {PLAIN_ENTMTP.name: "plain SGLang with this package on its `entmtp_torch` attention, overlap on",
+                ENTMTP_NO_FORCED.name: "ENTMTP with lookup spans, no grammar spans",
+                ENTMTP.name: "**ENTMTP as served** (`make serve`)"}
+LADDER_SYSTEMS = (STOCK.name, STOCK_BF16.name, PLAIN.name, PLAIN_ENTMTP.name, "eagle-s1-k1-n2", ADAPTIVE.name,
+                  NGRAM.name, ENTMTP_NO_SPANS.name, ENTMTP_NO_FORCED.name, ENTMTP.name)
+# the ladder's workloads: the mixed stream at batch 1 and 4, the mixed batch, where the run has them
+LADDER_CELLS = (("mixed", 1), ("mixed", 4), ("mixed-batch", 4), ("mixed-batch", 8), ("mixed-batch", 16))
 
 
 def with_compare_draft(specs: list[SystemSpec], draft: Path, tree_set: Path | None = None) -> list[SystemSpec]:
@@ -389,7 +436,9 @@ def tables(rows: list[Row], meta: dict | None = None) -> str:
     """The results table, then ENTMTP against the best static EAGLE setting and adaptive."""
     names = {r.system for r in rows}
     statics = [s.name for s in EAGLE_GRID if s.name in names]
-    text = preface(rows, meta) + to_markdown(rows)
+    steps = ladder(rows, meta=meta)
+    text = preface(rows, meta) + (f"The ladder (each rung's gain over the one named, paired):\n\n{steps}\n\n"
+                                  if steps else "") + to_markdown(rows)
     via = through(rows)
     base = ("stock" if baseline_of(rows) == STOCK.name else "plain") if via == STOCK.name else f"`{via}`"
     if "entmtp" in names and (statics or ADAPTIVE.name in names):
@@ -398,6 +447,81 @@ def tables(rows: list[Row], meta: dict | None = None) -> str:
                           via if via == PLAIN_ENTMTP.name else None))
     per_label = trees_per_label(rows)
     return text + (f"\n\n{per_label}" if per_label else "")
+
+
+# the systems the ladder also measures on each workload (its cells pass, `ladder_passes`)
+LADDER_CELL_SYSTEMS = (STOCK.name, STOCK_BF16.name, PLAIN_ENTMTP.name, ENTMTP.name)
+
+
+def ladder_passes(systems, tasks: dict[str, list[dict]], args, work: dict, compact_work: dict,
+                  compact_systems) -> list[tuple]:
+    """`--ladder`'s passes, each its own servers: (label, systems, workloads, systems in every wave).
+
+    1. `ladder`: every rung on the mixed stream (`--ladder-per-task` prompts of each task, task after task) at batch 1
+       and 4, and on the mixed batch (twice as many of each of its tasks, taken in turn) at `--mixed-batch-batches`;
+       stock and plain on entmtp_torch in every wave (every rung's gain pairs through them).
+    2. `cells`: stock in both dtypes, plain on entmtp_torch and ENTMTP on each task (`--per-task` prompts) at
+       `--batches` (default 1).
+    3. `compact`: the same systems on the schema tasks in the compact JSON layout (issue 56's compact goals).
+    Passes with nothing to run are left out."""
+    lp = args.ladder_per_task
+    if lp < 1 or any(len(tasks[t]) < 2 * lp for t in TASKS):
+        raise SystemExit(f"--ladder-per-task {lp}: needs 1 or more, and twice that many prompts of each task "
+                         f"(--per-task {args.per_task})")
+    ladder_work = {"mixed": ([p for t in TASKS for p in tasks[t][:lp]], (1, 4))}
+    if args.mixed_batch_batches:
+        payloads, labels = interleave({t: items[:2 * lp] for t, items in tasks.items()})
+        ladder_work["mixed-batch"] = (payloads, tuple(args.mixed_batch_batches), labels)
+    names = {s.name for s in systems}
+    # ENTMTP's rungs in one wave, so that each span kind's gain pairs with the rung below it directly
+    order = {n: i for i, n in enumerate((STOCK.name, PLAIN_ENTMTP.name, ENTMTP.name, ENTMTP_NO_FORCED.name,
+                                         ENTMTP_NO_SPANS.name, STOCK_BF16.name, PLAIN.name))}
+    systems = sorted(systems, key=lambda s: order.get(s.name, len(order)))
+    cells = [s for s in systems if s.name in LADDER_CELL_SYSTEMS]
+    cell_every = tuple(n for n in EVERY_WAVE if n in {c.name for c in cells})
+    compact = [s for s in compact_systems if s.name in LADDER_CELL_SYSTEMS]
+    plan = [("ladder", systems, ladder_work, tuple(n for n in (STOCK.name, PLAIN_ENTMTP.name) if n in names)),
+            ("cells", cells, {t: w for t, w in work.items() if t in TASKS}, cell_every),
+            ("compact", compact, compact_work, cell_every)]
+    return [p for p in plan if p[1] and p[2]]
+
+
+def ladder(rows: list[Row], via: str | None = None, meta: dict | None = None) -> str:
+    """The ladder (`LADDER`) as one table from a run's rows: per rung the tokens/s of each workload of `LADDER_CELLS`
+    the run has, and its gain over the rung before it (the first of its `over` the run has), paired: the median of
+    the per-repeat ratios, over the run beside it where both ran in one wave, else through the run's baseline
+    (`paired_over`). A rung the run lacks is left out; empty where the run has fewer than two rungs. `via`: the
+    system the best static EAGLE setting is chosen by (default: plain on entmtp_torch where the run has it); `meta`:
+    the run's configuration, which says whose layers EAGLE ran on."""
+    on = {((meta or {}).get("layers") or {}).get(n) for n in (ADAPTIVE.name, *(s.name for s in EAGLE_GRID))} - {None}
+    layers = "; SGLang's own layers" if on == {"sglang"} else "; this package's layers" if on == {"package"} else ""
+    by = {(r.system, r.task, r.batch): r for r in rows}
+    names = {r.system for r in rows}
+    cells = [c for c in LADDER_CELLS if any((r.task, r.batch) == c for r in rows)]
+    statics = [s.name for s in EAGLE_GRID if s.name in names]
+    via = via or through(rows)
+    best = (best_paired(rows, statics, "mixed", 1, via) or (None, None))[1] if statics else None
+    rungs = []
+    for name, label, over in LADDER:
+        system = best if name == BEST_STATIC else name
+        if system is None or system not in names:
+            continue
+        ref = next((o for o in over if o in names), None)
+        if over and ref != over[0]:
+            label = LADDER_ALONE.get(name, label)
+        rungs.append((system, label.format(setting=(system or "").removeprefix("eagle-"), layers=layers), ref))
+    if len(rungs) < 2 or not cells:
+        return ""
+    head = ["rung", "gain over", *(f"{'mixed stream' if t == 'mixed' else 'mixed batch'}, batch {b}" for t, b in cells)]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for system, label, ref in rungs:
+        out = []
+        for t, b in cells:
+            r = by.get((system, t, b))
+            gain = paired_over(rows, r, ref) if r is not None and ref is not None else None
+            out.append("" if r is None else f"{r.tokens_per_s:.1f}" + (f" **{gain:.2f}x**" if gain else ""))
+        lines.append(f"| {label} | {'' if ref is None else f'`{ref}`'} | " + " | ".join(out) + " |")
+    return "\n".join(lines)
 
 
 # the README headline's first table: each system's line, in this order (others by name, after them)
@@ -424,7 +548,10 @@ HEADLINE_TASKS = (("code", "code"), ("chat", "chat"), ("prose", "prose"), ("json
 
 
 def rendered(path: Path, batches=(1, 4)) -> list[Row]:
-    """A run's rows from its JSON lines, the mixed stream at `batches` summed again from the tasks' rows."""
+    """A run's rows from its JSON lines, the mixed stream at `batches` summed again from the tasks' rows (a ladder
+    run's as they are: it measured its own mixed stream)."""
+    if meta_from_jsonl(path).get("ladder"):
+        return rows_from_jsonl(path)
     rows = [r for r in rows_from_jsonl(path) if not (r.task == "mixed" and r.batch in batches)]
     return rows + mixed_rows(rows, batches)
 
@@ -518,7 +645,8 @@ def headline(rows: list[Row], meta: dict | None = None) -> str:
                  versus_best("mixed", b, [ADAPTIVE.name]), versus_best("mixed", b, statics),
                  versus_best("mixed-batch", b, [ADAPTIVE.name]), versus_best("mixed-batch", b, statics)]
         table.append("| " + " | ".join(cells) + " |")
-    text = "\n".join(lines) + "\n\n" + "\n".join(table)
+    steps = ladder(rows, via, meta)
+    text = (steps + "\n\n" if steps else "") + "\n".join(lines) + "\n\n" + "\n".join(table)
     if spec:   # what speculation adds, per workload: ENTMTP over plain on entmtp_torch
         head = ["batch (ENTMTP over plain with the package on `entmtp_torch`, paired)", *(h for _, h in HEADLINE_TASKS)]
         adds = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -528,7 +656,82 @@ def headline(rows: list[Row], meta: dict | None = None) -> str:
         said = goals(rows)
         if said:
             text += "\n\n" + said
-    return text
+    where = standing(rows)
+    return text + ("\n\n" + where if where else "")
+
+
+# the workloads as the README's prose names them, in its order
+PROSE_TASKS = (("code", "code"), ("chat", "chat"), ("prose", "prose"), ("json", "JSON"), ("tool-call", "tool calls"),
+               ("json-compact", "compact JSON"), ("tool-call-compact", "compact tool calls"),
+               ("mixed", "the mixed stream"), ("mixed-batch", "the mixed batch"))
+
+
+def _batches(by_batch: dict[int, float]) -> str:
+    """The batch sizes above 1 of `by_batch`: "4", or "4-16"."""
+    above = sorted(b for b in by_batch if b > 1)
+    return str(above[0]) if len(above) == 1 else f"{above[0]}-{above[-1]}"
+
+
+def _span(values: list[float]) -> str:
+    lo, hi = min(values), max(values)
+    return f"{lo:.2f}x" if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}x-{hi:.2f}x"
+
+
+def standing(rows: list[Row]) -> str:
+    """"Where ENTMTP stands", every figure from the run's rows (the README carries it as printed; a test checks it):
+    outputs equal to plain's and stock's, what a user gains over stock in each dtype, how much of it plain decoding
+    with the package gets without speculating, and what speculation adds (ENTMTP over plain with the package on
+    `entmtp_torch`, paired) per workload at batch 1, then where it wins and where it does not. Empty for a run
+    without ENTMTP, stock and that plain server."""
+    names = {r.system for r in rows}
+    if not {ENTMTP.name, STOCK.name, PLAIN_ENTMTP.name} <= names:
+        return ""
+    task_batches = {r.batch for r in rows if r.task in TASKS}
+    counted = [r for r in rows if r.system == ENTMTP.name and not (r.task == "mixed" and r.batch in task_batches)]
+    requests = sum(r.requests for r in counted)
+    plain_eq = sum(r.equal_to_plain or 0 for r in counted)
+    stock_eq = [r.equal_to_stock for r in counted]
+    stock_said = ("" if None in stock_eq else f" and stock SGLang's float32 output {sum(stock_eq)} of {requests}")
+    sentences = [f"Outputs equal to plain decoding's with the package: {plain_eq} of {requests} ENTMTP requests"
+                 f"{stock_said} (the fewest over repeats)."]
+    mine = [r for r in rows if r.system == ENTMTP.name]
+
+    def over(r: Row, ref: str) -> float | None:
+        return paired_over(rows, r, ref)
+
+    gains = [x for r in mine if (x := over(r, STOCK.name))]
+    bf16 = [x for r in mine if STOCK_BF16.name in names and (x := over(r, STOCK_BF16.name))]
+    if gains:
+        sentences.append(f"Over stock SGLang a user gains {_span(gains)} in float32"
+                         + (f" and {_span(bf16)} over stock in bfloat16" if bf16 else "")
+                         + " (paired, every workload and batch size).")
+    plain_mixed = {r.batch: over(r, STOCK.name) for r in rows if r.system == PLAIN_ENTMTP.name and r.task == "mixed"}
+    plain_mixed = {b: x for b, x in plain_mixed.items() if x}
+    if 1 in plain_mixed:
+        more = [x for b, x in plain_mixed.items() if b > 1]
+        sentences.append(f"Plain decoding with the package, no speculation, is {plain_mixed[1]:.2f}x stock at batch 1 "
+                         f"on the mixed stream" + (f", {_span(more)} at {_batches(plain_mixed)}" if more else "")
+                         + ".")
+    adds = {(r.task, r.batch): x for r in mine if (x := over(r, PLAIN_ENTMTP.name))}
+    batches = sorted({b for _, b in adds})
+
+    def where(test) -> str:
+        said = []
+        for b in batches:
+            hit = [label for t, label in PROSE_TASKS if (t, b) in adds and test(adds[(t, b)])]
+            if hit:
+                said.append(f"at batch {b} on " + ", ".join(hit))
+        return "; ".join(said)
+
+    if adds:
+        top = max(adds.items(), key=lambda kv: kv[1])
+        label = dict(PROSE_TASKS)[top[0][0]]
+        sentences.append(f"What speculation adds (ENTMTP over plain with the package on `entmtp_torch`, paired; the "
+                         f"last table) is at most {top[1]:.2f}x ({label} at batch {top[0][1]}): ENTMTP wins (at least "
+                         f"1.10x plain) {where(lambda x: x >= 1.1) or 'nowhere'}; "
+                         + (f"it is below plain {below}." if (below := where(lambda x: x < 1.0)) else
+                            "it is nowhere below plain."))
+    return "**Where ENTMTP stands** (every figure from this run): " + " ".join(sentences)
 
 
 # issue 56's goals for what speculation adds: (task, batch sizes, the least paired ratio of ENTMTP over plain with the
@@ -582,9 +785,11 @@ def main() -> None:
                     "in each repeat and workload: shuffled (default, seeded by --seed) or fixed (stock first, then the "
                     "other baselines, then the rest, as runs before 2026-12-07 measured)")
     ap.add_argument("--seed", type=int, default=0, help="the seed of the shuffled order (default 0)")
-    ap.add_argument("--per-task", type=int, default=4, help="prompts per task (default 4; the mixed stream at batch "
-                    "16 needs 16)")
-    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--per-task", type=int, default=None, help="prompts per task (default 4, with --ladder 8; the "
+                    "mixed stream at batch 16 needs 16)")
+    ap.add_argument("--max-new-tokens", type=int, default=None, help="default 32, with --ladder 96")
+    ap.add_argument("--ladder-per-task", type=int, default=2, help="with --ladder: prompts of each task in the "
+                    "ladder's mixed stream (default 2: ten requests), and twice as many of each in its mixed batch")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--systems", default=",".join(DEFAULT), help="comma-separated, from: " + ", ".join(
         s.name for s in SYSTEMS + OPTIONAL) + f" (default: all but {', '.join(s.name for s in OPTIONAL)}); "
@@ -593,8 +798,9 @@ def main() -> None:
                     "from: " + ", ".join(TASKS) + ", mixed (the mixed stream: all the tasks' prompts, task after "
                     "task), mixed-batch (" + ", ".join(MIXED_BATCH_TASKS) + " taken in turn, so every batch in "
                     "flight mixes them) (default: all)")
-    ap.add_argument("--batches", type=_ints, default=(1, 4), help="batch sizes of each task (default 1,4; the mixed "
-                    "rows at these batch sizes sum the runs of the tasks measured)")
+    ap.add_argument("--batches", type=_ints, default=None, help="batch sizes of each task (default 1,4, with --ladder "
+                    "1; the mixed rows at these batch sizes sum the runs of the tasks measured, except with --ladder, "
+                    "which measures its own mixed stream at 1 and 4)")
     ap.add_argument("--mixed-batches", type=_ints, default=(8, 16), help="batch sizes of the mixed stream, measured "
                     "as one workload (default 8,16; empty: none)")
     ap.add_argument("--mixed-batch-batches", type=_ints, default=(4, 8, 16), help="batch sizes of the mixed batch "
@@ -603,6 +809,9 @@ def main() -> None:
                     "tool-call): free (SGLang's default: whitespace is the model's choice) and compact (the servers "
                     f"started with {COMPACT}, rows json-compact and tool-call-compact, on "
                     f"{', '.join(COMPACT_SYSTEMS)} where named) (default: both)")
+    ap.add_argument("--ladder", action="store_true", help="run the ladder from stock SGLang to ENTMTP (instead of "
+                    "--systems): " + ", ".join(LADDER_SYSTEMS) + ", EAGLE on this package's layers (--eagle-layers "
+                    "package), tabled rung by rung")
     ap.add_argument("--eagle-layers", choices=("sglang", "package"), default="sglang", help="linear layers of the "
                     "EAGLE and adaptive servers: SGLang's own (default: the closest to stock SGLang they run in on a "
                     "CPU) or this package's")
@@ -620,6 +829,9 @@ def main() -> None:
     ap.add_argument("--headline", action="store_true", help="with --render: print the README's headline tables "
                     "from the run instead (the systems at batch 1 on the mixed stream; ENTMTP per workload and batch)")
     args = ap.parse_args()
+    args.per_task = args.per_task or (8 if args.ladder else 4)
+    args.max_new_tokens = args.max_new_tokens or (96 if args.ladder else 32)
+    args.batches = args.batches if args.batches is not None else ((1,) if args.ladder else (1, 4))
     if args.render is not None:
         rows, meta = rendered(args.render, args.batches), meta_from_jsonl(args.render)
         if args.headline:
@@ -633,6 +845,8 @@ def main() -> None:
 
     model = resolve_alias(args.model)
     names = [n for n in args.systems.split(",") if n]
+    if args.ladder:
+        names, args.eagle_layers = list(LADDER_SYSTEMS), "package"
     unknown = sorted(set(names) - {s.name for s in SYSTEMS + OPTIONAL})
     if unknown:
         ap.error(f"unknown system(s) {', '.join(unknown)}")
@@ -669,16 +883,25 @@ def main() -> None:
     if "mixed-batch" in chosen and args.mixed_batch_batches:
         payloads, labels = interleave(tasks)
         work["mixed-batch"] = (payloads, tuple(args.mixed_batch_batches), labels)
-    if not work and not compact_work:
-        ap.error("nothing to measure: no task at any batch size")
     run_names = {s.name for s in systems}
     every = tuple(n for n in EVERY_WAVE if n in run_names)
+    passes = []   # (label, systems, workloads, systems of every wave): the servers of each pass start anew
+    if args.ladder:
+        passes, summed = ladder_passes(systems, tasks, args, work, compact_work, compact_systems), ()
+    else:
+        summed = tuple(b for b in args.batches if "mixed" not in work or b not in work["mixed"][1])
+        passes = [p for p in (("free", systems, work, every), ("compact", compact_systems, compact_work, every))
+                  if p[2]]
+    if not passes:
+        ap.error("nothing to measure: no task at any batch size")
     t0 = time.time()
     config = {"model": model.name, "per_task": args.per_task, "max_new_tokens": args.max_new_tokens,
               "prompts": args.prompts, "flush": args.flush, "order": args.order,
               "seed": args.seed if args.order == "shuffled" else None,
               "systems": [s.name for s in systems],
-              "workloads": {k: list(v[1]) for k, v in {**work, **compact_work}.items()},
+              "workloads": {k: list(v[1]) for _, _, w, _ in passes for k, v in w.items()},
+              "passes": {label: [s.name for s in specs] for label, specs, _, _ in passes},
+              "ladder": bool(args.ladder), "ladder_per_task": args.ladder_per_task if args.ladder else None,
               "compact_systems": [s.name for s in compact_systems] if compact_work else [],
               "baseline": STOCK.name,
               "speculation_baseline": next((n for n in (PLAIN_ENTMTP.name, PLAIN.name) if n in run_names), None),
@@ -686,10 +909,9 @@ def main() -> None:
               "attention": {s.name: s.attention for s in systems},
               "env": {s.name: dict(s.env) for s in systems},
               "drafts": {s.name: s.draft for s in systems if s.speculative == "ENTMTP"}}
-    summed = tuple(b for b in args.batches if "mixed" not in work or b not in work["mixed"][1])
 
     conditions = {"flush": args.flush, "shuffle_seed": args.seed if args.order == "shuffled" else None}
-    done_rows: list = []   # the free layout's rows once its pass has finished (the compact pass runs after it)
+    done_rows: list = []   # the rows of the passes finished so far
 
     def save(rows, done):
         rows = done_rows + rows
@@ -699,15 +921,14 @@ def main() -> None:
         args.out.joinpath("sglang_speed.md").write_text(tables(rows, {**meta, **machine()}) + "\n")
 
     rows = []
-    if work:
-        rows = run_workloads(systems, work, args.repeats, ROOT / "runs" / "sglang-speed", on_repeat=save, model=model,
-                             starts_at_once=2, at_once=args.at_once, baseline=STOCK.name, every=every, **conditions)
-    if compact_work:   # the schema workloads again, every server started in the compact JSON layout
-        done_rows[:] = rows
-        rows = rows + run_workloads(compact_systems, compact_work, args.repeats, ROOT / "runs" / "sglang-speed-compact",
-                                    on_repeat=save, model=model, starts_at_once=2, at_once=args.at_once,
-                                    baseline=STOCK.name, every=every, **conditions)
-        done_rows.clear()
+    for label, specs, pass_work, pass_every in passes:
+        rows = run_workloads(specs, pass_work, args.repeats, ROOT / "runs" / f"sglang-speed-{label}", on_repeat=save,
+                             model=model, starts_at_once=2, at_once=args.at_once, baseline=STOCK.name,
+                             every=pass_every, **conditions)
+        done_rows.extend(rows)
+        rows = []
+    rows = done_rows[:]
+    done_rows.clear()
     save(rows, args.repeats)
     print(tables(rows + mixed_rows(rows, summed), {**config, **machine()}))
     print(f"duration {time.time() - t0:.0f} s")

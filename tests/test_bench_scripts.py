@@ -200,13 +200,16 @@ def test_the_readme_headline_is_the_committed_product_run():
 
     speed = load_script("sglang_speed")
     path = ROOT / "bench" / "results" / "sglang_speed.jsonl.gz"
-    systems, per_batch, *more = speed.headline(speed.rendered(path), meta_from_jsonl(path)).split("\n\n")
+    steps, systems, per_batch, *more = speed.headline(speed.rendered(path), meta_from_jsonl(path)).split("\n\n")
     readme = (ROOT / "README.md").read_text()
+    assert "| rung |" in steps and "ENTMTP as served" in steps
     assert systems.count("\n") >= 3 and "**ENTMTP**" in systems and "| 1 | " in per_batch
-    assert systems in readme, "README's first headline table is not the committed run's:\n" + systems
+    assert steps in readme, "README's ladder is not the committed run's:\n" + steps
+    assert systems in readme, "README's systems table is not the committed run's:\n" + systems
     assert per_batch in readme, "README's per-workload headline table is not the committed run's:\n" + per_batch
-    for table in more:   # a run with plain on entmtp_torch: what speculation adds per workload
-        assert table in readme, "README's headline table is not the committed run's:\n" + table
+    for part in more:   # what speculation adds per workload, the goals, and the prose figures of "where it stands"
+        assert part in readme, "README's headline is not the committed run's:\n" + part
+    assert any(part.startswith("**Where ENTMTP stands**") for part in more)
 
 
 def test_the_headline_names_the_best_static_setting_and_skips_what_did_not_run():
@@ -220,13 +223,85 @@ def test_the_headline_names_the_best_static_setting_and_skips_what_did_not_run()
                 plain_repeat_tokens_per_s=[10.0, 10.0]),
             Row("eagle-s2-k1-n3", 1, 150, 10.0, requests=4, repeat_tokens_per_s=[15.0, 15.0], task="mixed",
                 plain_repeat_tokens_per_s=[10.0, 10.0])]
-    systems, per_batch = speed.headline(rows, {"layers": {"eagle-s1-k1-n2": "sglang", "eagle-s2-k1-n3": "sglang"}}
-                                        ).split("\n\n")
+    steps, systems, per_batch = speed.headline(rows, {"layers": {"eagle-s1-k1-n2": "sglang",
+                                                                  "eagle-s2-k1-n3": "sglang"}}).split("\n\n")
+    # the ladder: the rungs the run has, the best static setting by name, no gain where the rung below did not run
+    assert "| SGLang EAGLE, the best static setting (`s2-k1-n3`; SGLang's own layers) |  | 15.0 |" in steps
+    assert "| **ENTMTP as served** (`make serve`) |  | 20.0 |" in steps and "NGRAM" not in steps
     assert "(`s2-k1-n3`, best by the paired ratio; SGLang's own layers) | 15.0 | 1.50x (1.50x) |" in systems
     assert "| **20.0** | **2.00x (2.00x)** |" in systems
     assert "adaptive" not in systems and "plain SGLang with this package" not in systems
     # ENTMTP over the best static setting (1.5x stock): 2.0 / 1.5
     assert per_batch.splitlines()[2].startswith("| 1 |" + "  |" * 7 + " 2.00x (2.00x) |  |  |  |  | 1.33x |")
+
+
+def test_the_ladder_gives_each_rung_its_paired_gain_over_the_rung_it_builds_on():
+    """bench/sglang_speed.py `ladder`: every rung over the one named in LADDER (the first of them the run has),
+    paired per repeat; across waves through stock (the run's baseline) where the two did not run side by side."""
+    from entmtp_sglang.bench.sglang_benchmark import Row
+
+    speed = load_script("sglang_speed")
+
+    def row(system, tps, beside=None, stock=None, task="mixed", batch=1):
+        return Row(system, batch, int(tps[0] * 10), 10.0, requests=4, repeat_tokens_per_s=list(tps), task=task,
+                   plain_repeat_tokens_per_s=list(stock or []), beside=beside or {})
+
+    stock = [10.0, 20.0]   # the machine twice as fast in repeat 2: paired ratios cancel it
+    plain = [12.0, 24.0]
+    rows = [row("plain-stock", stock),
+            row("plain-stock-bf16", [11.0, 22.0], stock=stock),
+            row("plain-entmtp", plain, stock=stock),
+            row("ngram", [13.0, 24.0], beside={"plain-entmtp": plain}, stock=stock),
+            row("entmtp-no-spans", [15.0, 27.0], beside={"plain-entmtp": plain}, stock=stock),
+            # another wave: its own stock and plain runs, slower
+            row("entmtp", [18.0, 36.0], beside={"plain-entmtp": [10.0, 20.0]}, stock=[8.0, 16.0])]
+    text = speed.ladder(rows)
+    lines = {line.split(" | ")[0].lstrip("| "): line for line in text.splitlines()[2:]}
+    assert lines["stock SGLang, float32"].endswith("|  | 10.0 |")
+    assert "`plain-stock` | 11.0 **1.10x** |" in lines["stock SGLang, bfloat16 (what `--dtype auto` serves)"]
+    # plain on entmtp_torch without the torch_native rung: its own line, over stock
+    assert "`plain-stock` | 12.0 **1.20x** |" in lines[speed.LADDER_ALONE["plain-entmtp"]]
+    assert "`plain-entmtp` | 13.0 **1.04x** |" in lines["SGLang NGRAM (12 draft tokens a step)"]   # (13/12, 24/24)
+    assert "`plain-entmtp` | 15.0 **1.19x** |" in lines["ENTMTP, the drafter's trees only"]   # (15/12, 27/24)
+    # ENTMTP (lookup-span rung missing) over the drafter-only rung, from another wave: through stock,
+    # (18/8 / 1.5, 36/16 / 1.35) -> median 1.58
+    assert "`entmtp-no-spans` | 18.0 **1.58x** |" in lines[speed.LADDER_ALONE["entmtp"]]
+    assert speed.ladder(rows[:1]) == ""   # one rung: no ladder
+
+
+def test_the_ladder_run_measures_every_rung_on_the_mixed_workloads_and_three_baselines_and_entmtp_per_task():
+    """`--ladder`'s passes: every rung (NGRAM and ENTMTP's span kinds among them, EAGLE on the package's layers) on a
+    mixed stream of `--ladder-per-task` prompts of each task at batch 1 and 4 and on the mixed batch, ENTMTP's rungs
+    in one wave; then stock in both dtypes, plain on entmtp_torch and ENTMTP per task; then the compact layout."""
+    import argparse
+
+    from entmtp_sglang.bench.sglang_benchmark import waves
+
+    speed = load_script("sglang_speed")
+    systems = speed.systems_for(list(speed.LADDER_SYSTEMS), "package")
+    assert {s.name for s in systems} == set(speed.LADDER_SYSTEMS)
+    assert {s.layers for s in systems if s.speculative in ("EAGLE", "NGRAM")} == {"package"}
+    tasks = {t: [{"text": f"{t} {i}"} for i in range(8)] for t in speed.TASKS}
+    args = argparse.Namespace(ladder_per_task=2, per_task=8, mixed_batch_batches=(4, 16))
+    work = {t: (items, (1,)) for t, items in tasks.items()}
+    compact_work = {f"{t}-compact": (tasks[t], (1,)) for t in speed.COMPACT_TASKS}
+    compact = [s for s in systems if s.name in speed.COMPACT_SYSTEMS]
+    passes = speed.ladder_passes(systems, tasks, args, work, compact_work, compact)
+    assert [p[0] for p in passes] == ["ladder", "cells", "compact"]
+    label, ladder_systems, ladder_work, every = passes[0]
+    assert every == ("plain-stock", "plain-entmtp")
+    assert ladder_work["mixed"][1] == (1, 4) and len(ladder_work["mixed"][0]) == 2 * len(speed.TASKS)
+    payloads, batches, labels = ladder_work["mixed-batch"]
+    assert batches == (4, 16) and len(payloads) == 4 * len(speed.MIXED_BATCH_TASKS) and len(labels) == len(payloads)
+    plan = waves(ladder_systems, 5, every)
+    assert [s.name for s in plan[0]] == ["plain-stock", "plain-entmtp", "entmtp", "entmtp-no-forced", "entmtp-no-spans"]
+    assert sorted(s.name for w in plan for s in w if s.name not in every) == sorted(
+        set(speed.LADDER_SYSTEMS) - set(every))
+    assert {s.name for s in passes[1][1]} == {"plain-stock", "plain-stock-bf16", "plain-entmtp", "entmtp"}
+    assert set(passes[1][2]) == set(speed.TASKS) and {s.name for s in passes[2][1]} == set(speed.LADDER_CELL_SYSTEMS)
+    with pytest.raises(SystemExit, match="--ladder-per-task 5"):
+        speed.ladder_passes(systems, tasks, argparse.Namespace(ladder_per_task=5, per_task=8,
+                                                               mixed_batch_batches=(4,)), work, compact_work, compact)
 
 
 def test_step_profile_pairs_each_step_with_the_plain_step_of_its_repeat_and_renders_again(tmp_path):
@@ -410,41 +485,9 @@ def test_forced_spans_and_the_compact_layout_in_the_product_table(tmp_path):
     back = rows_from_jsonl(tmp_path / "run.jsonl.gz")
     assert [(r.forced, r.lookup) for r in back] == [(r.forced, r.lookup) for r in rows]
     text = speed.tables(back + list(mixed.values()))
-    assert "forced spans |" in text.splitlines()[2]
+    assert "forced spans |" in next(line for line in text.splitlines() if line.startswith("| task | system |"))
     assert "| json-compact | entmtp | 1 | 25.0 | 2.50x | 2.50x |" in text and "48% of tokens, 75% accepted, 8.0 a " \
         "span |" in text, text
-
-
-def test_long_context_documents_are_cut_to_whole_lines_within_the_budget_and_tabled_against_stock():
-    """bench/sglang_long_context.py: its documents come from SGLang's install (held out from every drafter's data),
-    each cut to whole lines within the context asked for; the table divides ENTMTP by stock per context and cache
-    state, paired per repeat."""
-    from transformers import AutoTokenizer
-
-    from entmtp_sglang.bench.sglang_benchmark import Row
-    from entmtp_sglang.model.load import BUNDLED_MODEL
-
-    pytest.importorskip("sglang")   # the documents come with SGLang's own dependencies
-    lc = load_script("sglang_long_context")
-    tok = AutoTokenizer.from_pretrained(str(BUNDLED_MODEL))
-    for dist, file, _ in lc.DOCUMENTS:
-        text = lc.document(dist, file)
-        head = lc.cut(tok, text, 300)
-        assert text.startswith(head) and text[len(head)] == "\n", (dist, file)
-        assert 150 < len(tok(head, add_special_tokens=False)["input_ids"]) <= 300, (dist, file)
-    with pytest.raises(SystemExit, match="under the context"):
-        lc.cut(tok, "one short line\n", 300)
-    rows = [Row("plain-stock", 1, 100, 10.0, requests=4, task="1024-cold", repeat_tokens_per_s=[10.0, 8.0],
-                prompt_tokens=4000, cached_tokens=4),
-            Row("plain-entmtp-attention", 1, 150, 10.0, requests=4, task="1024-cold",
-                repeat_tokens_per_s=[15.0, 16.0], plain_repeat_tokens_per_s=[10.0, 8.0]),
-            Row("entmtp", 1, 300, 10.0, [2.5], requests=4, task="1024-cold", repeat_tokens_per_s=[30.0, 20.0],
-                plain_repeat_tokens_per_s=[10.0, 8.0], equal_to_stock=4, lookup=[10, 40, 20], prompt_tokens=4000,
-                cached_tokens=3960)]
-    table = lc.table(rows, [1024, 4096])
-    assert ("| 1024 | cold | 0% / 99% | 10.0 | 15.0, 1.50x (1.75x) | 30.0 | 3.00x (2.75x) | 2.00x | 2.50 | 4/4 | "
-            "repeats: 7% of tokens, 50% accepted" in table), table
-    assert "| cached |" not in table and "| 4096 |" not in table   # what did not run has no row
 
 
 def test_every_wave_of_the_product_benchmark_holds_both_baselines_within_at_once():
@@ -547,7 +590,7 @@ def test_what_speculation_adds_divides_by_plain_on_entmtp_torch_when_the_run_has
     assert [r.beside for r in back] == [r.beside for r in rows]
     mixed = speed.mixed_rows(back, (1,))
     assert {r.system: r.beside for r in mixed}["entmtp"] == {"plain-entmtp": [20.0, 16.0]}
-    systems, per_batch, adds, said = speed.headline(back + mixed).split("\n\n")
+    steps, systems, per_batch, adds, said, where = speed.headline(back + mixed).split("\n\n")
     assert systems.splitlines()[0].endswith("| vs stock SGLang (paired) | vs plain with the package on "
                                             "`entmtp_torch` (paired) |")
     assert "| **31.0** | **3.10x (3.10x)** | **1.63x (1.75x)** |" in systems, systems
@@ -567,6 +610,13 @@ def test_what_speculation_adds_divides_by_plain_on_entmtp_torch_when_the_run_has
     assert said.splitlines()[1:] == ["- mixed at least 1.0x: 1: 1.75x [1.50-2.00] met",
                                      "- mixed at least 1.5x: 1: 1.75x [1.50-2.00] met"]
     assert said.startswith("Goals (issue 56), ENTMTP over plain with the package on `entmtp_torch`, paired")
+    # "where ENTMTP stands": the prose figures, each from the rows (speculation adds 1.75x on code and the mixed
+    # stream at batch 1; a user gains 3.10x over stock; plain with the package alone 1.90x)
+    assert where.startswith("**Where ENTMTP stands** (every figure from this run): ")
+    assert "Over stock SGLang a user gains 3.10x in float32 (paired" in where
+    assert "Plain decoding with the package, no speculation, is 1.90x stock at batch 1 on the mixed stream." in where
+    assert "is at most 1.75x (code at batch 1): ENTMTP wins (at least 1.10x plain) at batch 1 on code, the mixed " \
+        "stream; it is nowhere below plain." in where
     assert "- mixed at least 1.5x: 1: 1.40x [1.20-1.60] **NOT met**" in speed.goals(
         [dataclasses.replace(r, beside={"plain-entmtp": [25.0, 20.0]}) if r.system == "entmtp" else r
          for r in back + mixed])
@@ -587,7 +637,7 @@ def test_an_older_run_without_plain_on_entmtp_torch_divides_what_speculation_add
     assert "plain-entmtp" not in to_markdown(rows) and "What speculation adds" not in speed.tables(rows)
     # through stock: 3.1 / 2.4 and 3.1 / 2.1
     assert "| code | 1 | 1.29x (eagle-s1-k1-n2) | 1.48x (eagle-adaptive) |" in speed.tables(rows)
-    systems, per_batch = speed.headline(rows + speed.mixed_rows(rows, (1,))).split("\n\n")
+    steps, systems, per_batch = speed.headline(rows + speed.mixed_rows(rows, (1,))).split("\n\n")
     assert systems.splitlines()[0] == "| system (batch 1, mixed workloads) | tok/s | vs stock SGLang (paired) |"
     assert "| plain SGLang with this package installed (its CPU linear layers and row-wise ops) | 15.0 |" in systems
     head, _, line = per_batch.splitlines()

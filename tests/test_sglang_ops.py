@@ -659,6 +659,39 @@ def test_reconstruct_random_trees_match_reference_and_canonical_tree(n):
             assert (positions.view(bs, n)[b] - seq_lens[b]).tolist() == bufs.positions.tolist()
 
 
+def sglang_function(relative: str, name: str):
+    """A top-level function of an installed SGLang source file, compiled on its own (numpy and torch in scope);
+    the test skips where SGLang is not installed."""
+    import numpy as np
+
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("SGLang is not installed")
+    path = os.path.join(list(spec.submodule_search_locations)[0], relative)
+    source = open(path).read()
+    node = next(n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef) and n.name == name)
+    scope = {"np": np, "torch": torch}
+    exec(compile(ast.Module([node], []), path, "exec"), scope)
+    return scope[name]
+
+
+@pytest.mark.parametrize("n", [1, 3, 8, 12])
+def test_reconstruct_random_trees_match_sglangs_own_host_side_links(n):
+    # SGLang's NGRAM worker derives the same links on the host for its grammar mask (`_derive_tree_links`,
+    # "matching what reconstruct_indices_from_tree_mask produces on device"): the op must agree with it. The
+    # function is taken from SGLang's source and run alone (importing its module needs sgl_kernel)
+    _derive_tree_links = sglang_function("srt/speculative/ngram_worker.py", "_derive_tree_links")
+
+    gen = torch.Generator().manual_seed(300 + n)
+    for bs in (1, 2, 6):
+        parents = [random_parents(n, gen) for _ in range(bs)]
+        mask = ngram_mask(*parents)
+        _, retrieve_buf = run_reconstruct(mask, torch.zeros(bs, dtype=torch.long), bs, n)
+        next_token, next_sibling = _derive_tree_links(mask.numpy(), bs, n)
+        assert retrieve_buf[1].tolist() == next_token.tolist()
+        assert retrieve_buf[2].tolist() == next_sibling.tolist()
+
+
 @pytest.mark.parametrize("n", [2, 3, 5, 8, 12])
 def test_reconstruct_random_masks_match_reference(n):
     gen = torch.Generator().manual_seed(200 + n)

@@ -114,7 +114,7 @@ class SystemSpec:
     @property
     def static_tree_nodes(self) -> int | None:
         """Tokens the target verifies per step when the tree is fixed (EAGLE static); None otherwise."""
-        return self.draft_tokens if self.speculative == "EAGLE" and not self.adaptive else None
+        return self.draft_tokens if self.speculative in ("EAGLE", "NGRAM") and not self.adaptive else None
 
 
 PLAIN = SystemSpec("plain", None, attention="torch_native")   # plain SGLang with this package installed
@@ -130,6 +130,10 @@ EAGLE_GRID = (SystemSpec("eagle-s1-k1-n2", "EAGLE", 1, 1, 2),
               SystemSpec("eagle-s3-k1-n4", "EAGLE", 3, 1, 4),
               SystemSpec("eagle-s3-k2-n6", "EAGLE", 3, 2, 6))
 ADAPTIVE = SystemSpec("eagle-adaptive", "EAGLE", 3, 1, 4, adaptive=True)
+# SGLang's own NGRAM (prompt-lookup drafting from a corpus of the text already written, no draft model), as stock runs
+# it: 12 draft tokens a step (SGLang's default for NGRAM), its corpus emptied with the radix cache (`flush_cache`); on
+# the package's layers and entmtp_torch (stock attention refuses speculative verification on a CPU, as for EAGLE)
+NGRAM = SystemSpec("ngram", "NGRAM", draft_tokens=12)
 ENTMTP = SystemSpec("entmtp", "ENTMTP")
 DEFAULT_SYSTEMS = (PLAIN, *EAGLE_GRID, ADAPTIVE, ENTMTP)
 

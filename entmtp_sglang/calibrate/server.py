@@ -61,6 +61,11 @@ def cpu_args(speculative: str | None, *, model: Path = BUNDLED_MODEL, steps: int
     args = ["--model-path", str(model), "--device", "cpu", "--attention-backend", attention,
             "--disable-cuda-graph", "--max-total-tokens", str(max_total_tokens), "--sleep-on-idle",
             "--log-level", "info"]
+    if speculative == "NGRAM":
+        # SGLang's NGRAM drafts from the text already written (a corpus of earlier requests' and this request's
+        # tokens), no draft model; its own defaults for the rest (topk = its BFS breadth), `draft_tokens` per step
+        return args + ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(draft_tokens),
+                       *extra]
     if speculative:
         args += ["--speculative-algorithm", speculative, "--speculative-draft-model-path", str(model / draft)]
     if speculative == "EAGLE":
