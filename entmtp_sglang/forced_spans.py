@@ -345,10 +345,11 @@ class HistoryLookup:
     a draft like any other: the target verifies it. `sync` keeps the index up to date as the output grows (append
     only; another prompt, or an output that is not the indexed one grown, rebuilds it)."""
 
-    def __init__(self, min_n: int = 2, max_n: int = 4):
+    def __init__(self, min_n: int = 2, max_n: int = 4, shared=None):
         if not 1 <= min_n <= max_n:
             raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self.shared = shared   # what earlier requests wrote (shared_ngrams.SharedNgrams), asked after this history
         self.tokens: list[int] = []
         self.prompt_len = -1
         self.index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
@@ -374,11 +375,18 @@ class HistoryLookup:
                     idx[tuple(toks[e + 1 - n: e + 1])] = e
 
     def __call__(self, below) -> int | None:
+        """The next token after the history and `below`: the longest match first, at each length the request's own
+        history before what earlier requests wrote (`shared`)."""
         tail = (self.tokens[-self.max_n:] + [int(t) for t in below])[-self.max_n:]
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
-            e = self.index[n].get(tuple(tail[-n:]))
+            key = tuple(tail[-n:])
+            e = self.index[n].get(key)
             if e is not None:
                 return self.tokens[e + 1]
+            if self.shared is not None and n <= self.shared.max_n:
+                token = self.shared.get(key)
+                if token is not None:
+                    return token
         return None
 
 

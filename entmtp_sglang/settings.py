@@ -201,6 +201,11 @@ class Settings:
         "ENTMTP_LOOKUP_SPANS", Choice(("0", "1", "all")), "all",
         "a request's own text repeating (prompt lookup) as spans, below its tree and where its grammar decides "
         "nothing: `all` every request, `1` constrained requests only, `0` off")
+    cross_spans: bool = _switch(
+        "ENTMTP_CROSS_SPANS", Flag(), False,
+        "`1`: lookup spans also draw on what earlier requests wrote (a bounded server-wide index of finished "
+        "outputs, emptied with the radix cache; entmtp_sglang/shared_ngrams.py) where a request's own text has no "
+        "longer match; off until the agent benchmark (issue 60) measures where it pays")
     span_ends: bool = _switch(
         "ENTMTP_SPAN_ENDS", Flag(), True,
         "`0`: a grammar span ends in its text's last token as the tokenizer spells it alone, instead of the token "

@@ -26,7 +26,9 @@ REGEX = r'\{"city": "(Lisbon|Osaka|Paris)", "population_millions": [0-9]{1,2}, "
 def servers(tmp_path_factory):
     import_sglang_or_skip()
     tmp = tmp_path_factory.mktemp("forced")
-    plain, ent = plain_and_entmtp(tmp, F32, {"ENTMTP_TREE_TRACE": str(tmp / "trace"), "ENTMTP_ONLINE_COSTS": "0"})
+    # ENTMTP_CROSS_SPANS: lookup spans also from what earlier requests wrote (the last test here)
+    plain, ent = plain_and_entmtp(tmp, F32, {"ENTMTP_TREE_TRACE": str(tmp / "trace"), "ENTMTP_ONLINE_COSTS": "0",
+                                             "ENTMTP_CROSS_SPANS": "1"})
     with started(plain, ent):
         yield plain, ent
 
@@ -145,9 +147,37 @@ def test_a_resting_step_still_verifies_the_spans_below_its_roots(servers):
     drafter and caught up when it drafts again. The output stays plain's."""
     plain, ent = servers
     jobs = list(_jobs().values())
+    ent.flush_cache()   # what the tests before wrote out of the shared index (ENTMTP_CROSS_SPANS)
     outs = [ent.post("/generate", j) for j in jobs]
     _equal(plain, outs, jobs)
     rested = [n for o in outs for name, n in zip(o["meta_info"]["entmtp_trees"], o["meta_info"]["entmtp_accepted"])
               if name in ("rest", "chain:0")]
     print("drafts accepted on resting steps:", rested)
     assert any(n > 0 for n in rested), rested
+
+
+def _lookup(out) -> tuple[int, int]:
+    """(lookup-span tokens verified, accepted) over a request's steps."""
+    steps = out["meta_info"].get("entmtp_lookup") or []
+    return sum(st[0] for st in steps), sum(st[1] for st in steps)
+
+
+def test_a_second_request_drafts_what_the_first_wrote_as_spans_and_equals_plain(servers):
+    """ENTMTP_CROSS_SPANS=1: the first request's output, indexed when it finished, is drafted as lookup spans for a
+    second request that writes it again (its own history has only the prompt); after flush_cache (the index emptied
+    with the radix cache) a third writes it without them. Every output equals plain's."""
+    plain, ent = servers
+    job = {"text": "User: Tell me a short story about a robot who learns to paint.\nAssistant: ",
+           "sampling_params": {**GREEDY, "max_new_tokens": 48}}
+    ent.flush_cache()
+    first = ent.post("/generate", job)
+    second = ent.post("/generate", job)
+    ent.flush_cache()
+    third = ent.post("/generate", job)
+    _equal(plain, [first, second, third], [job, job, job])
+    (_, a1), (v2, a2), (_, a3) = _lookup(first), _lookup(second), _lookup(third)
+    n = len(second["output_ids"])
+    assert a2 >= n // 2 and a2 > a1 and a2 > a3, (_lookup(first), _lookup(second), _lookup(third), n)
+    census = ent.server_info().get("entmtp_requests") or {}
+    assert census.get("shared_ngrams", 0) > 0, census   # the third request's output, indexed
+

@@ -255,9 +255,11 @@ class SGLangServer:
         params = {"temperature": temperature, "max_new_tokens": max_new_tokens, **sampling}
         return self.post("/generate", {"input_ids": list(input_ids), "sampling_params": params})
 
-    def flush_cache(self) -> None:
-        """Empty the radix (prefix) cache, so a measurement does not reuse an earlier one's prefill."""
-        self.post("/flush_cache")
+    def flush_cache(self, timeout_s: float = 60.0) -> None:
+        """Empty the radix (prefix) cache, so a measurement does not reuse an earlier one's prefill. SGLang flushes
+        only an idle scheduler (a request just answered may still be leaving it): it waits up to `timeout_s` for
+        that, then answers HTTP 400 (a ServerError here)."""
+        self.post(f"/flush_cache?timeout={timeout_s:g}")
 
     def server_info(self) -> dict:
         with urllib.request.urlopen(self.url + "/get_server_info", timeout=60) as r:

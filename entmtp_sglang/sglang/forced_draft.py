@@ -48,6 +48,7 @@ from ..forced_spans import (
 )
 from ..grammar import jump_forward_span
 from ..settings import DEFAULT_FORCED_MAX_TOKENS, settings
+from ..shared_ngrams import SharedNgrams
 from ..tree import Tree
 from .ragged import RaggedVerify, packed_index
 from .requests import RequestTable
@@ -78,6 +79,14 @@ def forced_config_from_env() -> ForcedSpanConfig | None:
     # lower-ranked turn -1, below the reach floor log 0.5); a resting row's root is that leaf
     return ForcedSpanConfig(max_tokens=n, max_nodes=n, min_reach=TOP1_REACH, forced_only=False,
                             lookup=env.lookup_spans != "0", join_ends=env.span_ends)
+
+
+def finished_normally(req) -> bool:
+    """Whether SGLang finished `req` by a stop condition (length, a stop token or string): not aborted (its finish
+    reason SGLang's FINISH_ABORT), not retracted (no finish reason: it will be prefilled again)."""
+    reason = getattr(req, "finished_reason", None)
+    return (reason is not None and "ABORT" not in type(reason).__name__.upper()
+            and not getattr(req, "is_retracted", False))
 
 
 def lookup_mode() -> str:
@@ -380,6 +389,11 @@ class ForcedDraft:
         mode = lookup_mode() if spans.config.lookup else "0"
         self.lookup_on = mode != "0"
         self.lookup_free = mode == "all"
+        # what earlier requests wrote (ENTMTP_CROSS_SPANS=1): finished outputs indexed when SGLang releases them
+        self.shared = SharedNgrams() if self.lookup_on and settings().cross_spans else None
+        if self.shared is not None:
+            self.requests.on_release(self.index_finished)
+            self.requests.counted["shared_ngrams"] = lambda: len(self.shared)
 
     def lookup(self, req) -> HistoryLookup | None:
         """The request's HistoryLookup, synced to its prompt and output (None: lookup spans off)."""
@@ -387,9 +401,21 @@ class ForcedDraft:
             return None
         st = self.requests.of(req)
         if st.lookup is None:
-            st.lookup = HistoryLookup()
+            st.lookup = HistoryLookup(shared=self.shared)
         st.lookup.sync(getattr(req, "origin_input_ids", None) or (), getattr(req, "output_ids", None) or ())
         return st.lookup
+
+    def index_finished(self, req, state=None) -> None:
+        """A released request's output into the shared index (`shared`), if it finished: an aborted request (its
+        finish reason an abort) or a retracted one (no finish reason: it will run again) is not indexed."""
+        if self.shared is None or not finished_normally(req):
+            return
+        self.shared.insert(getattr(req, "output_ids", None) or (), getattr(req, "origin_input_ids", None) or ())
+
+    def clear_shared(self) -> None:
+        """Empty the shared index (SGLang's flush_cache: a benchmark's passes must not draft from each other)."""
+        if self.shared is not None:
+            self.shared.clear()
 
     def join(self, req) -> RequestSpanEnds | None:
         """The request's side of the server's `SpanEnds`, synced to its output (None: span ends off)."""

@@ -56,6 +56,7 @@ class RequestTable:
     def __init__(self, on_drop: Callable[[str], None] | None = None):
         self._entries: dict[str, RequestState] = {}
         self._listeners: list[Callable[[str], None]] = [on_drop] if on_drop is not None else []
+        self._released: list[Callable[[Any, RequestState], None]] = []
         self._lock = threading.Lock()
         self.counted: dict[str, Callable[[], int]] = {}
         _TABLES.add(self)
@@ -63,6 +64,11 @@ class RequestTable:
     def listen(self, on_drop: Callable[[str], None]) -> None:
         """Call `on_drop(rid)` whenever a request's entry is dropped (its other per-request state goes with it)."""
         self._listeners.append(on_drop)
+
+    def on_release(self, fn: Callable[[Any, RequestState], None]) -> None:
+        """Call `fn(req, state)` when SGLang releases a request the table holds, before its entry is dropped (the
+        request as SGLang ends it: its output and finish reason, or none for a retraction)."""
+        self._released.append(fn)
 
     def of(self, req) -> RequestState:
         """The request's entry, made on first sight; an entry of another request under the same rid is dropped
@@ -87,6 +93,8 @@ class RequestTable:
         """SGLang gave the request's KV back (finished, aborted or retracted): drop its entry."""
         st = self._entries.get(getattr(req, "rid", None))
         if st is not None and st.owner is req:
+            for fn in self._released:
+                fn(req, st)
             self.drop(req.rid)
 
     def drop(self, rid: str) -> None:

@@ -167,6 +167,14 @@ class EntMtpWorker(EAGLEWorkerV2):
                                                      self._target_worker.model_runner.device)
                                 if self.config.per_row else {})
 
+    def clear_cache_pool(self):
+        """SGLang's flush_cache: with the radix cache, what earlier requests wrote (ENTMTP_CROSS_SPANS)."""
+        clear = getattr(super(), "clear_cache_pool", None)
+        if clear is not None:
+            clear()
+        if self.verifier.forced is not None:
+            self.verifier.forced.clear_shared()
+
     @property
     def hot_token_id(self):
         """Target id of each draft token when the draft has its own vocabulary, else None (tree_draft.py)."""
