@@ -175,7 +175,7 @@ def test_a_second_request_drafts_what_the_first_wrote_as_spans_and_equals_plain(
     ent.flush_cache()
     third = ent.post("/generate", job)
     _equal(plain, [first, second, third], [job, job, job])
-    (_, a1), (v2, a2), (_, a3) = _lookup(first), _lookup(second), _lookup(third)
+    (_, a1), (_, a2), (_, a3) = _lookup(first), _lookup(second), _lookup(third)
     n = len(second["output_ids"])
     assert a2 >= n // 2 and a2 > a1 and a2 > a3, (_lookup(first), _lookup(second), _lookup(third), n)
     census = ent.server_info().get("entmtp_requests") or {}
