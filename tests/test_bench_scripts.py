@@ -3,20 +3,14 @@ bench/experiments/signals.py's cross-validated replay on synthetic records (the 
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers.scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_script(name, folder="bench"):
-    """A script of bench/ (the product's benchmarks) or, with folder="bench/experiments", a one-off experiment."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / folder / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope="module")

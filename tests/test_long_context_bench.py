@@ -3,29 +3,15 @@ first answer, and its table (the runs themselves are benchmarks)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 from pathlib import Path
 
 import pytest
+from helpers.scripts import load_script
+from helpers.testing import smollm2_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_script(name, folder="bench"):
-    """A script of bench/ (the product's benchmarks), as tests/test_bench_scripts.py loads them, and entered in
-    `sys.modules` as an import would: a dataclass defined under `from __future__ import annotations` looks its
-    module up there."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / folder / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    try:
-        spec.loader.exec_module(mod)
-    except BaseException:
-        del sys.modules[spec.name]
-        raise
-    return mod
 
 
 @pytest.fixture(scope="module")
@@ -39,15 +25,7 @@ def smollm2_tokenizer():
     tokenizer has no chat template."""
     from transformers import AutoTokenizer
 
-    from entmtp_sglang.model import prepare as prep
-
-    try:
-        prep.find_gguf(prep.SMOLLM2)
-    except prep.PrepareError as e:
-        if os.environ.get("CI") or os.environ.get("ENTMTP_REQUIRE_SGLANG"):
-            raise
-        pytest.skip(str(e))
-    return AutoTokenizer.from_pretrained(str(prep.prepare("smollm2", log=lambda m: None)))
+    return AutoTokenizer.from_pretrained(str(smollm2_or_skip()))
 
 
 def test_long_context_documents_are_cut_to_whole_lines_within_the_budget_and_tabled_against_stock(lc):

@@ -7,13 +7,13 @@ outside CI (`make install` brings it)."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from helpers.testing import smollm2_or_skip
 
 from entmtp_sglang.model import prepare as prep
 from entmtp_sglang.model.load import BUNDLED_MODEL, ModelDirError, load_bundle, load_target, target_fingerprint
@@ -225,13 +225,7 @@ def test_a_tree_set_file_without_chain0_gets_it_on_load(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2() -> Path:
-    try:
-        prep.find_gguf(prep.SMOLLM2)
-    except prep.PrepareError as e:
-        if os.environ.get("CI") or os.environ.get("ENTMTP_REQUIRE_SGLANG"):
-            raise
-        pytest.skip(str(e))
-    d = prep.prepare("smollm2", log=lambda m: None)
+    d = smollm2_or_skip()
     if not (d / "eagle" / "config.json").exists():
         pytest.skip("no drafters shipped for SmolLM2 in this checkout")
     return d

