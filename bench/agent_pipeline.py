@@ -678,6 +678,39 @@ def goals(passes: list[Pass]) -> str:
             "repeats):\n" + "\n".join(said))
 
 
+def headline(passes: list[Pass], meta: dict | None = None) -> str:
+    """The README's few lines: a sentence on the run, then per system at each number of agents the time of all tasks
+    and its paired gains over plain on `entmtp_torch` and stock in bfloat16, and the transcripts equal to plain's."""
+    meta = meta or {}
+    counts = sorted({p.agents for p in passes})
+    rows: dict[str, dict[int, str]] = {}
+    equal: dict[str, list[int]] = {}
+    for s in summarize(passes):
+        over = [ratio_cell(paired(passes, s.system, ref, s.agents)).split(" [")[0] if s.system != ref else "1.00x"
+                for ref in (PLAIN_ENTMTP.name, STOCK_BF16.name)]
+        rows.setdefault(s.system, {})[s.agents] = f"{s.seconds:.1f} s **{over[0]}** ({over[1]})"
+        counted = equal.setdefault(s.system, [0, 0])
+        counted[0] += s.equal
+        counted[1] += s.compared
+    plural = {n: f"{n} agent{'s' if n > 1 else ''}" for n in counts}
+    lines = ["| system | " + " | ".join(plural[n] for n in counts) + " | transcripts = plain |",
+             "|---" * (len(counts) + 2) + "|"]
+    for system, cells in rows.items():
+        e, c = equal[system]
+        lines.append(f"| {system} | " + " | ".join(cells.get(n, "") for n in counts) + " | "
+                     + (f"{e}/{c}" if c else "-") + " |")
+    tasks = meta.get("task_set") or []
+    repeats = len({p.repeat for p in passes})
+    machine_said = f" on {meta['processor']}" if meta.get("processor") else ""
+    commit = str(meta.get("commit", ""))[:7]
+    numbers = ", ".join(str(n) for n in counts[:-1]) + (" and " if len(counts) > 1 else "") + plural[counts[-1]]
+    return (f"{len(tasks)} agent tasks (`bench/agent_pipeline.py`), each a few turns of tool calls under a JSON "
+            f"schema, then a final answer, with {numbers} at once{machine_said}"
+            + (f", commit {commit}" if commit else "") + f"; all tasks' time, median of {repeats} repeat(s), in bold "
+            f"the paired gain over `{PLAIN_ENTMTP.name}` (plain on `entmtp_torch`), in brackets over stock in "
+            "bfloat16:\n\n" + "\n".join(lines))
+
+
 def report(passes: list[Pass], meta: dict | None = None) -> str:
     """The Markdown of a run: what was measured, the table, the goals, the per-task table."""
     meta = meta or {}
@@ -858,12 +891,19 @@ def main() -> None:
                     f"{NAME}.jsonl.gz and {NAME}.md (default: bench/results/agent_pipeline/)")
     ap.add_argument("--render", type=Path, metavar="JSONL", help="start no server: draw the tables and goals again "
                     f"from a run's {NAME}.jsonl.gz (into --out)")
+    ap.add_argument("--headline", action="store_true", help="with --render: print the README's lines of the run "
+                    "instead (its run, then per system and number of agents the time and the paired gains)")
     args = ap.parse_args()
+    if args.headline and args.render is None:
+        ap.error("--headline draws from a run: give --render JSONL too")
     if args.render is not None:
         try:
             passes, meta = read(args.render)
         except (OSError, ValueError) as e:
             ap.error(f"--render: {e}")
+        if args.headline:
+            print(headline(passes, meta))
+            return
         text = report(passes, meta)
         args.out.mkdir(parents=True, exist_ok=True)
         args.out.joinpath(f"{NAME}.md").write_text(text + "\n")

@@ -2,7 +2,7 @@
 
 The small public entry (imported lazily, so `import entmtp_sglang` stays cheap for SGLang's plugin loader):
 
-    from entmtp_sglang import Engine, load_bundle, load_tree_set, entmtp_policy
+    from entmtp_sglang import Engine, load_bundle, load_tree_set, shipped_tree_set, entmtp_policy
 
     bundle = load_bundle("smollm2", "eagle")                     # target + drafter (+ tokenizer)
     ts = load_tree_set(shipped_tree_set("eagle", "code", bundle.path.name))

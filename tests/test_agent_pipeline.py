@@ -438,6 +438,27 @@ def test_the_report_is_drawn_again_from_the_runs_json_lines(ap, tmp_path):
         ap.read(tmp_path / "empty.jsonl")
 
 
+def test_the_headline_gives_each_system_its_time_and_paired_gains_at_each_number_of_agents(ap):
+    passes = synthetic_run(ap)
+    text = ap.headline(passes, {"task_set": [{"id": "t1"}, {"id": "t2"}], "commit": "abcdef0123"})
+    intro, table = text.split("\n\n")
+    assert intro.startswith("2 agent tasks") and "with 1 and 8 agents at once, commit abcdef0" in intro
+    rows = {line.split("|")[1].strip(): line for line in table.splitlines()[2:]}
+    assert list(rows)[:3] == ["plain-stock", "plain-stock-bf16", "plain-entmtp"]
+    # ENTMTP with 1 agent: 10 s, 1.50x plain (paired medians), 3.00x stock bfloat16; 11 of 12 transcripts equal
+    assert rows["entmtp"].startswith("| entmtp | 10.0 s **1.50x** (3.00x) | ") and rows["entmtp"].endswith(
+        " | 11/12 |"), rows["entmtp"]
+    assert "**1.00x**" in rows["plain-entmtp"] and rows["plain-stock-bf16"].endswith(" | - |")
+
+
+def test_the_readme_agent_lines_are_the_committed_agent_run(ap):
+    """README's agent table is what `bench/agent_pipeline.py --render ... --headline` draws from the committed run."""
+    passes, meta = ap.read(ROOT / "bench" / "results" / "agent_pipeline" / "agent_pipeline.jsonl.gz")
+    text = ap.headline(passes, meta)
+    assert passes and "| entmtp |" in text
+    assert text in (ROOT / "README.md").read_text(), "README's agent lines are not the committed run's:\n" + text
+
+
 def test_the_kv_pool_holds_every_agents_conversation(ap):
     assert ap.kv_tokens(1, 3, 48) == 6000
     big = ap.kv_tokens(8, 8, 96)
