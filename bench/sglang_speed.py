@@ -414,7 +414,8 @@ def preface(rows: list[Row], meta: dict | None = None) -> str:
                      "package's general plugin not loaded), every paired ratio by its run beside in the same wave and "
                      "repeat. `plain` is plain SGLang with this package installed (its CPU linear layers and "
                      "row-wise ops). "
-                     "greedy = plain / = stock: outputs equal to theirs token for token (the fewest over repeats)."
+                     "greedy = plain / = stock: outputs equal to theirs token for token (the fewest over repeats; "
+                     "stock in bfloat16, a dtype of its own: its later repeats against its first)."
                      + (f" EAGLE and adaptive: {how}." if how else ""))
     if speculation_baseline(rows) == PLAIN_ENTMTP.name:
         lines.append(f"What speculation adds divides by `{PLAIN_ENTMTP.name}`, plain SGLang with this package on its "
@@ -692,8 +693,11 @@ def standing(rows: list[Row]) -> str:
     plain_eq = sum(r.equal_to_plain or 0 for r in counted)
     stock_eq = [r.equal_to_stock for r in counted]
     stock_said = ("" if None in stock_eq else f" and stock SGLang's float32 output {sum(stock_eq)} of {requests}")
+    own = [r for r in rows if r.system == STOCK_BF16.name and r.equal_to_plain is not None]
+    own_said = (f"; stock SGLang in bfloat16 repeated its first run's outputs {sum(r.equal_to_plain for r in own)} of "
+                f"{sum(r.requests for r in own)}" if own else "")
     sentences = [f"Outputs equal to plain decoding's with the package: {plain_eq} of {requests} ENTMTP requests"
-                 f"{stock_said} (the fewest over repeats)."]
+                 f"{stock_said}{own_said} (the fewest over repeats)."]
     mine = [r for r in rows if r.system == ENTMTP.name]
 
     def over(r: Row, ref: str) -> float | None:

@@ -611,6 +611,10 @@ def test_what_speculation_adds_divides_by_plain_on_entmtp_torch_when_the_run_has
     assert "Plain decoding with the package, no speculation, is 1.90x stock at batch 1 on the mixed stream." in where
     assert "is at most 1.75x (code at batch 1): ENTMTP wins (at least 1.10x plain) at batch 1 on code, the mixed " \
         "stream; it is nowhere below plain." in where
+    assert "bfloat16" not in where.split(".")[0]   # no stock bfloat16 run: nothing said of it
+    bf16 = dataclasses.replace(back[0], system="plain-stock-bf16", equal_to_plain=3, equal_to_stock=None, requests=4)
+    assert "; stock SGLang in bfloat16 repeated its first run's outputs 3 of 4 (the fewest over repeats)." in \
+        speed.standing(back + mixed + [bf16])
     assert "- mixed at least 1.5x: 1: 1.40x [1.20-1.60] **NOT met**" in speed.goals(
         [dataclasses.replace(r, beside={"plain-entmtp": [25.0, 20.0]}) if r.system == "entmtp" else r
          for r in back + mixed])

@@ -200,6 +200,13 @@ def test_measure_compares_every_output_with_plain_and_with_stock():
     assert (e_row.equal_to_plain, e_row.equal_to_stock) == (2, 1)
     again = b.measure(Canned(stock_ids), b.STOCK, payloads, 1, reference, "code", stock)
     assert (again.equal_to_plain, again.equal_to_stock) == (2, None)
+    # a server in a dtype of its own (stock in bfloat16) is compared with its own first run only
+    bf16 = {**stock_ids, "c": [5, 8]}
+    first = b.measure(Canned(bf16), b.STOCK_BF16, payloads, 1, reference, "code", stock)
+    assert (first.equal_to_plain, first.equal_to_stock) == (None, None) and stock[("code", 1)][2] == [5, 6]
+    assert b.measure(Canned(bf16), b.STOCK_BF16, payloads, 1, reference, "code", stock).equal_to_plain == 3
+    assert b.measure(Canned(stock_ids), b.STOCK_BF16, payloads, 1, reference, "code", stock).equal_to_plain == 2
+    assert reference[("code", 1)] == [[1, 2], [3, 4], [5, 7]]
     # without a stock dict (the older callers), a stock server is compared with plain like any other system
     assert b.measure(Canned(stock_ids), b.STOCK, payloads, 1, {("code", 1): reference[("code", 1)]}, "code"
                      ).equal_to_plain == 2

@@ -534,7 +534,14 @@ def compare(spec: SystemSpec, row: Row, ids: list, reference: dict[tuple[str, in
             stock: dict[tuple[str, int], list] | None = None, owners: dict[tuple[str, int], str] | None = None) -> None:
     """`row`'s outputs (`ids`) against the references of its task and batch, and into them where `spec` makes one
     (`measure`'s docstring). Called in an order that puts the references first (`run_workloads`)."""
-    if getattr(spec, "dtype", None) is not None:   # a server in a dtype of its own: its outputs are its own
+    if getattr(spec, "dtype", None) is not None:
+        # a server in a dtype of its own (stock in bfloat16) has no plain server to match: its first run is its own
+        # reference, and every later repeat is compared with it (`equal_to_plain`: greedy decoding repeats itself)
+        own = (row.task, row.batch, spec.name)
+        if own in reference:
+            row.equal_to_plain = sum(x == y for x, y in zip(ids, reference[own]))
+        else:
+            reference[own] = ids
         return
     task, batch = row.task, row.batch
     key, is_stock = (task, batch), getattr(spec, "stock", False)
